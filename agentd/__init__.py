@@ -1,0 +1,33 @@
+"""agentd: a local LLM inference daemon for agents.
+
+``from agentd import LLM, SamplingParams`` gives the offline API. Imports are lazy so that the
+CLI (``agentd --help``) never pulls in torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "EngineConfig", "__version__"]
+
+if TYPE_CHECKING:
+    from agentd.config import EngineConfig
+    from agentd.llm import LLM
+    from agentd.outputs import RequestOutput
+    from agentd.sampling_params import SamplingParams
+
+_LAZY = {
+    "LLM": "agentd.llm",
+    "SamplingParams": "agentd.sampling_params",
+    "RequestOutput": "agentd.outputs",
+    "EngineConfig": "agentd.config",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'agentd' has no attribute {name!r}")

@@ -1,0 +1,86 @@
+"""Engine configuration: one frozen dataclass, validated on construction.
+
+Invariant: a config never changes after it is built. Values that are only known at run time
+(the number of KV blocks, the model's EOS ids) are passed to constructors, never written back.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20,
+               "mib": 2**20, "g": 2**30, "gb": 2**30, "gib": 2**30, "t": 2**40, "tib": 2**40}
+
+
+def parse_size(text: str | int) -> int:
+    """Parse a byte size such as ``512MiB``, ``2GiB`` or ``1073741824`` into bytes."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"cannot parse size {text!r}: use e.g. 512MiB, 2GiB or a byte count")
+    return int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
+
+
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str | float | int) -> float:
+    """Parse a duration such as ``90s``, ``15m``, ``1h30m`` or ``2d`` into seconds."""
+    if isinstance(text, int | float):
+        return float(text)
+    parts = re.findall(r"(\d+(?:\.\d+)?)\s*([smhd])", str(text).strip().lower())
+    if not parts or "".join(a + b for a, b in parts) != re.sub(r"\s+", "", str(text).lower()):
+        raise ValueError(f"cannot parse duration {text!r}: use e.g. 90s, 15m, 1h30m or 2d")
+    return sum(float(num) * _DURATION_UNITS[unit] for num, unit in parts)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs to start. ``None`` means "pick a default at load time"."""
+
+    model: str | None = None
+    tokenizer: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int = 16
+    kv_cache_memory_bytes: int = 512 * 2**20
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    max_pinned_fraction: float = 0.5
+    attention_backend: str = "auto"
+    seed: int = 0
+    num_threads: int | None = None
+    extra: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda, not {self.device!r}")
+        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, not {self.dtype}")
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, not {self.block_size}")
+        if self.kv_cache_memory_bytes <= 0:
+            raise ValueError("kv_cache_memory_bytes must be positive")
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, not {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.block_size:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= block_size "
+                f"({self.block_size})"
+            )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, not {self.max_model_len}")
+        if not 0.0 <= self.max_pinned_fraction <= 1.0:
+            raise ValueError(
+                f"max_pinned_fraction must be within [0, 1], not {self.max_pinned_fraction}"
+            )
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(
+                f"attention_backend must be auto, torch or triton, not {self.attention_backend!r}"
+            )
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads must be >= 1, not {self.num_threads}")

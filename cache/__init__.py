@@ -1,0 +1,22 @@
+"""Paged KV-cache bookkeeping: block ids, ref counts, content hashes. No tensors, no torch.
+
+Invariant: this package imports only the standard library and xxhash.
+"""
+
+from __future__ import annotations
+
+from .block_pool import BlockPool, FreeBlockQueue, KVBlock, NoFreeBlocksError
+from .hashing import BlockHash, hash_block, hash_blocks
+from .kv_cache_manager import CachedPrefix, KVCacheManager
+
+__all__ = [
+    "BlockHash",
+    "BlockPool",
+    "CachedPrefix",
+    "FreeBlockQueue",
+    "KVBlock",
+    "KVCacheManager",
+    "NoFreeBlocksError",
+    "hash_block",
+    "hash_blocks",
+]

@@ -1,0 +1,200 @@
+"""The synchronous engine: requests in, one scheduled step at a time, deltas out.
+
+Invariant: every request added ends with exactly one delta whose ``finish_reason`` is set, and by
+then its blocks are back in the pool. Not thread-safe: :mod:`agentd.async_engine` drives it from
+one thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+from agentd.cache import KVCacheManager
+from agentd.config import EngineConfig
+from agentd.detokenizer import IncrementalDetokenizer
+from agentd.kernels import get_attention_backend
+from agentd.model.build import LoadedModel, load_model
+from agentd.outputs import StreamDelta
+from agentd.request import Request, RequestStatus
+from agentd.runner import ModelRunner
+from agentd.sampler import Sampler
+from agentd.sampling_params import SamplingParams
+from agentd.scheduler import Scheduler
+
+logger = logging.getLogger("agentd")
+
+
+@dataclass
+class EngineStats:
+    num_requests_running: int
+    num_requests_waiting: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+    num_blocks_total: int
+    num_blocks_free: int
+    num_blocks_cached: int
+    num_blocks_used: int
+    kv_cache_usage: float
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    num_requests_finished: int
+    num_steps: int
+    num_model_tokens: int  # tokens that actually went through the model (prefill + decode)
+
+
+@dataclass
+class _Tracked:
+    request: Request
+    detokenizer: IncrementalDetokenizer
+    num_emitted_tokens: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self.loaded = loaded or load_model(config)
+        self.tokenizer = self.loaded.tokenizer
+        self.model_name = self.loaded.files.name
+        model = self.loaded.model
+        block_size = config.block_size
+        bytes_per_block = ModelRunner.kv_bytes_per_block(model, block_size, self.loaded.dtype)
+        self.num_blocks = config.kv_cache_memory_bytes // bytes_per_block
+        if self.num_blocks < 2:
+            raise ValueError(
+                f"kv cache memory of {config.kv_cache_memory_bytes} bytes holds fewer than 2 "
+                f"blocks of {bytes_per_block} bytes; raise --kv-cache-memory"
+            )
+        self.max_model_len = self._max_model_len()
+        backend = get_attention_backend(config.attention_backend, self.loaded.device)
+        self.kv_cache = KVCacheManager(self.num_blocks, block_size, config.enable_prefix_caching,
+                                       extra_key=self.loaded.fingerprint.encode())
+        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs,
+                                   config.max_num_batched_tokens, self.max_model_len,
+                                   self.loaded.eos_token_ids)
+        self.runner = ModelRunner(model, self.num_blocks, block_size, self.loaded.device,
+                                  self.loaded.dtype, backend)
+        self.sampler = Sampler(self.loaded.device)
+        self._tracked: dict[str, _Tracked] = {}
+        self._ids = itertools.count()
+        self._totals = {"prompt": 0, "generation": 0, "finished": 0, "steps": 0, "model": 0}
+        logger.info("kv cache: %d blocks of %d tokens (%d tokens), max_model_len %d, "
+                    "attention backend %s", self.num_blocks, block_size,
+                    self.num_blocks * block_size, self.max_model_len, backend.name)
+
+    def _max_model_len(self) -> int:
+        dims = self.loaded.model.dims
+        capacity = self.num_blocks * self.config.block_size
+        limit = min(dims.max_position_embeddings, capacity)
+        if dims.sliding_window is not None:
+            limit = min(limit, dims.sliding_window)  # full attention equals the window below it
+        asked = self.config.max_model_len
+        if asked is not None and asked > limit:
+            raise ValueError(
+                f"max_model_len {asked} exceeds what this model and pool allow ({limit} tokens: "
+                f"model limit {dims.max_position_embeddings}, pool {capacity}); raise "
+                "--kv-cache-memory or lower --max-model-len"
+            )
+        return asked or limit
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    request_id: str | None = None, cache_salt: str | None = None) -> str:
+        """Queue a request. Raises ValueError for an empty or too-long prompt (nothing changes)."""
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._tracked:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        vocab_size = self.loaded.model.dims.vocab_size
+        if any(not 0 <= t < vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be within [0, {vocab_size})")
+        room = self.max_model_len - len(prompt_token_ids)
+        max_output = room if params.max_tokens is None else min(params.max_tokens, room)
+        request = Request(request_id, list(prompt_token_ids), params, max(max_output, 1),
+                          cache_salt)
+        self.scheduler.add_request(request)
+        detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop,
+                                       params.include_stop_str_in_output)
+        self._tracked[request_id] = _Tracked(request, detok)
+        self._totals["prompt"] += len(prompt_token_ids)
+        return request_id
+
+    def abort_request(self, request_id: str) -> StreamDelta | None:
+        """Stop a request now and free its blocks; returns its final delta if it was live."""
+        if self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED) is None:
+            return None
+        return self._delta(self._tracked[request_id], finished=True)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[StreamDelta]:
+        out = self.scheduler.schedule()
+        deltas = [self._delta(self._tracked[rid], finished=True,
+                              error="the request does not fit in the KV cache pool")
+                  for rid in out.failed_ids]
+        if out.empty:
+            return deltas
+        result = self.runner.execute(out.scheduled)
+        self._totals["steps"] += 1
+        self._totals["model"] += result.num_tokens
+        requests = [self.scheduler.requests[rid] for rid in result.request_ids]
+        token_ids = self.sampler.sample(result.logits, requests)
+        now = time.monotonic()
+        for request in self.scheduler.update_from_output(out, dict(zip(result.request_ids,
+                                                                        token_ids, strict=True))):
+            tracked = self._tracked[request.request_id]
+            if request.first_token_time_s is None:
+                request.first_token_time_s = now
+            tracked.detokenizer.add_token(request.all_token_ids[-1])
+            if tracked.detokenizer.stop_reason is not None and not request.status.finished:
+                request.stop_reason = tracked.detokenizer.stop_reason
+                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            deltas.append(self._delta(tracked, finished=request.status.finished))
+        return deltas
+
+    def _delta(self, tracked: _Tracked, finished: bool, error: str | None = None) -> StreamDelta:
+        request = tracked.request
+        new_ids = request.output_token_ids[tracked.num_emitted_tokens:]
+        tracked.num_emitted_tokens = request.num_output_tokens
+        text = tracked.detokenizer.flush(finished)
+        if finished:
+            del self._tracked[request.request_id]
+            self.sampler.forget(request.request_id)
+            self._totals["finished"] += 1
+            self._totals["generation"] += request.num_output_tokens
+        return StreamDelta(
+            request_id=request.request_id,
+            text=text,
+            token_ids=new_ids,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens or 0,
+            num_output_tokens=request.num_output_tokens,
+            finish_reason=request.status.value if finished else None,
+            stop_reason=request.stop_reason,
+            error=error,
+            first_token_time_s=request.first_token_time_s,
+            arrival_time_s=request.arrival_time_s,
+        )
+
+    def stats(self) -> EngineStats:
+        pool = self.kv_cache.pool
+        sched = self.scheduler.stats
+        return EngineStats(
+            num_requests_running=self.scheduler.num_running,
+            num_requests_waiting=self.scheduler.num_waiting,
+            prefix_cache_queries=sched.prefix_cache_queries,
+            prefix_cache_hits=sched.prefix_cache_hits,
+            num_preemptions=sched.num_preemptions,
+            num_blocks_total=pool.num_blocks,
+            num_blocks_free=pool.num_free - pool.num_cached_free,
+            num_blocks_cached=pool.num_cached_free,
+            num_blocks_used=pool.num_used,
+            kv_cache_usage=pool.usage,
+            prompt_tokens_total=self._totals["prompt"],
+            generation_tokens_total=self._totals["generation"],
+            num_requests_finished=self._totals["finished"],
+            num_steps=self._totals["steps"],
+            num_model_tokens=self._totals["model"],
+        )

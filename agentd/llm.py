@@ -1,0 +1,76 @@
+"""Offline API in vLLM's shape: ``LLM(model).generate(prompts, params)`` and ``LLM.chat``.
+
+Invariant: outputs come back one per prompt, in the order given, whatever order they finished in.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from agentd.config import EngineConfig, parse_size
+from agentd.engine import LLMEngine
+from agentd.outputs import RequestOutput
+from agentd.sampling_params import SamplingParams
+
+PromptLike = str | list[int]
+
+
+def engine_config(model: str | None = None, **engine_args: Any) -> EngineConfig:
+    """Build an EngineConfig, accepting ``kv_cache_memory="2GiB"`` like the CLI does."""
+    if "kv_cache_memory" in engine_args:
+        engine_args["kv_cache_memory_bytes"] = parse_size(engine_args.pop("kv_cache_memory"))
+    return EngineConfig(model=model, **engine_args)
+
+
+class LLM:
+    """Run the engine in-process. ``model=None`` is the default model (SmolLM2-135M-Instruct)."""
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.engine = LLMEngine(engine_config(model, **engine_args))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptLike | Sequence[PromptLike],
+                 params: SamplingParams | None = None) -> list[RequestOutput]:
+        """Run every prompt (text or token ids) to completion; one output per prompt, in order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = params or SamplingParams()
+        token_lists = [self._encode(p) for p in prompts]
+        return self._run(token_lists, params)
+
+    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
+             tools: list[dict] | None = None) -> list[RequestOutput]:
+        """Render conversations through the chat template, then generate."""
+        from agentd.chat import render_chat
+
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        token_lists = [render_chat(self.tokenizer, list(conv), tools, None).prompt_token_ids
+                       for conv in conversations]
+        return self._run(token_lists, params or SamplingParams())
+
+    def _encode(self, prompt: PromptLike) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer(prompt).input_ids
+        return list(prompt)
+
+    def _run(self, token_lists: list[list[int]], params: SamplingParams) -> list[RequestOutput]:
+        engine = self.engine
+        ids = [engine.add_request(tokens, params) for tokens in token_lists]
+        results: dict[str, RequestOutput] = {
+            rid: RequestOutput(rid, tokens, "", [], 0, None)
+            for rid, tokens in zip(ids, token_lists, strict=True)
+        }
+        while engine.has_unfinished_requests():
+            for delta in engine.step():
+                out = results[delta.request_id]
+                out.text += delta.text
+                out.token_ids.extend(delta.token_ids)
+                out.num_cached_tokens = delta.num_cached_tokens
+                if delta.finished:
+                    out.finish_reason = delta.finish_reason
+                    out.stop_reason = delta.stop_reason
+        return [results[rid] for rid in ids]

@@ -1,0 +1,90 @@
+"""Build a ready-to-run model from an engine config: files → config → weights → device.
+
+Invariant: the returned model's weights are exactly the checkpoint's, cast to ``dtype``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from agentd.config import EngineConfig
+from agentd.model.llama import LlamaModel, RotaryEmbedding
+from agentd.model.loader import (
+    ModelFiles,
+    load_config,
+    load_state_dict,
+    load_tokenizer,
+    model_fingerprint,
+    resolve_model,
+)
+
+logger = logging.getLogger("agentd")
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class LoadedModel:
+    files: ModelFiles
+    hf_config: object
+    tokenizer: object
+    model: LlamaModel
+    device: torch.device
+    dtype: torch.dtype
+    fingerprint: str
+    eos_token_ids: list[int]
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but no CUDA device is available")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[name]
+
+
+def eos_token_ids(hf_config, tokenizer, files: ModelFiles) -> list[int]:
+    """Every id that ends a generation: config, generation config and tokenizer agree or add up."""
+    ids: set[int] = set()
+    for source in (getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif source:
+            ids.update(source)
+    gen_path = files.path / "generation_config.json"
+    if gen_path.exists():
+        import json
+
+        gen_eos = json.loads(gen_path.read_text()).get("eos_token_id")
+        ids.update([gen_eos] if isinstance(gen_eos, int) else gen_eos or [])
+    return sorted(ids)
+
+
+def load_model(config: EngineConfig) -> LoadedModel:
+    files = resolve_model(config.model)
+    hf_config = load_config(files)
+    tokenizer = load_tokenizer(files)
+    device = pick_device(config.device)
+    dtype = pick_dtype(config.dtype, device)
+    with torch.device("meta"):
+        model = LlamaModel(hf_config)
+    model = model.to_empty(device="cpu")
+    model.load_hf_state_dict(load_state_dict(files, torch.float32))
+    model = model.to(device=device, dtype=dtype).eval()
+    # The cos/sin table stays float32 whatever the weights' dtype (built after the cast).
+    model.rotary = RotaryEmbedding(hf_config, model.dims.head_dim,
+                                   model.dims.max_position_embeddings).to(device)
+    dtype_name = str(dtype).removeprefix("torch.")
+    fingerprint = model_fingerprint(files, hf_config, tokenizer, dtype_name)
+    logger.info("loaded %s (%s) on %s as %s", files.name, hf_config.model_type, device, dtype_name)
+    return LoadedModel(files, hf_config, tokenizer, model, device, dtype, fingerprint,
+                       eos_token_ids(hf_config, tokenizer, files))

@@ -1,0 +1,273 @@
+"""One Llama-family decoder for Llama 2/3, SmolLM, Mistral, Qwen2 (qkv bias) and Qwen3 (q/k norm).
+
+The model runs a flattened batch: ``[num_tokens]`` ids and positions from many sequences at
+once, with attention over the paged KV pool described by :class:`AttentionMetadata`. Weights keep
+transformers' names on load; q/k/v and gate/up are fused into one matmul each.
+Invariant: for the same weights, logits equal transformers' within float tolerance.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from agentd.kernels import AttentionBackend
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass
+class AttentionMetadata:
+    """How the flattened batch maps onto the pool; built once per step by the runner.
+
+    Decode rows (one token per sequence) come first, then prefill chunks.
+    """
+
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor  # [num_decode_seqs, max_blocks] int32
+    decode_seq_lens: torch.Tensor  # [num_decode_seqs] int32
+    prefill_block_tables: torch.Tensor  # [num_prefill_seqs, max_blocks] int32
+    prefill_query_start_loc: torch.Tensor  # [num_prefill_seqs + 1] int32
+    prefill_seq_lens: torch.Tensor  # [num_prefill_seqs] int32
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The shape facts the runner needs, read from a transformers config."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    attention_bias: bool
+    o_proj_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    sliding_window: int | None
+
+    @classmethod
+    def from_config(cls, config) -> ModelDims:
+        model_type = config.model_type
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported architecture {model_type!r} "
+                f"({', '.join(getattr(config, 'architectures', None) or [])}); "
+                f"agentd runs: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        bias = getattr(config, "attention_bias", False) or model_type == "qwen2"
+        window = getattr(config, "sliding_window", None)
+        if model_type in ("qwen2", "qwen3") and not getattr(config, "use_sliding_window", False):
+            window = None
+        return cls(
+            model_type=model_type,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            intermediate_size=config.intermediate_size,
+            rms_norm_eps=config.rms_norm_eps,
+            attention_bias=bool(bias),
+            o_proj_bias=bool(getattr(config, "attention_bias", False)) and model_type != "qwen2",
+            qk_norm=model_type == "qwen3",
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            max_position_embeddings=config.max_position_embeddings,
+            sliding_window=window,
+        )
+
+
+def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling for the config's RoPE type (transformers' math)."""
+    params = getattr(config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, torch.device("cpu"))
+        return inv_freq.float(), float(scaling)
+    theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    return 1.0 / (theta**exponents), 1.0
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin table indexed by absolute position (rotate-half convention)."""
+
+    def __init__(self, config, head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        inv_freq, scaling = rope_inv_freq(config, head_dim)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        self.register_buffer("cos", freqs.cos() * scaling, persistent=False)
+        self.register_buffer("sin", freqs.sin() * scaling, persistent=False)
+
+    def forward(self, positions: torch.Tensor, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1)
+        out = []
+        for x in tensors:
+            x1, x2 = x.float().chunk(2, dim=-1)
+            rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+            out.append(rotated.to(x.dtype))
+        return out
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, dims: ModelDims) -> None:
+        super().__init__()
+        self.dims = dims
+        self.q_size = dims.num_heads * dims.head_dim
+        self.kv_size = dims.num_kv_heads * dims.head_dim
+        self.qkv_proj = nn.Linear(dims.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=dims.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, dims.hidden_size, bias=dims.o_proj_bias)
+        if dims.qk_norm:
+            self.q_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps)
+            self.k_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps)
+        self.scale = dims.head_dim**-0.5
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                kv_cache: torch.Tensor, meta: AttentionMetadata,
+                backend: AttentionBackend) -> torch.Tensor:
+        num_tokens, d = x.shape[0], self.dims
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.reshape(num_tokens, d.num_heads, d.head_dim)
+        k = k.reshape(num_tokens, d.num_kv_heads, d.head_dim)
+        v = v.reshape(num_tokens, d.num_kv_heads, d.head_dim)
+        if d.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        backend.write_kv(k, v, kv_cache, meta.slot_mapping)
+        num_decode = meta.num_decode_tokens
+        if num_decode == num_tokens:
+            out = backend.decode(q, kv_cache, meta.decode_block_tables, meta.decode_seq_lens,
+                                 self.scale)
+        elif num_decode == 0:
+            out = backend.prefill(q, kv_cache, meta.prefill_block_tables,
+                                  meta.prefill_query_start_loc, meta.prefill_seq_lens, self.scale)
+        else:
+            out = torch.cat([
+                backend.decode(q[:num_decode], kv_cache, meta.decode_block_tables,
+                               meta.decode_seq_lens, self.scale),
+                backend.prefill(q[num_decode:], kv_cache, meta.prefill_block_tables,
+                                meta.prefill_query_start_loc, meta.prefill_seq_lens, self.scale),
+            ])
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, dims: ModelDims) -> None:
+        super().__init__()
+        self.intermediate_size = dims.intermediate_size
+        self.gate_up_proj = nn.Linear(dims.hidden_size, 2 * dims.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(dims.intermediate_size, dims.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, dims: ModelDims) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
+        self.self_attn = Attention(dims)
+        self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
+        self.mlp = MLP(dims)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
+                kv_cache: torch.Tensor, meta: AttentionMetadata,
+                backend: AttentionBackend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    """Embedding, decoder layers, final norm and LM head over a flattened paged batch."""
+
+    def __init__(self, config, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.dims = dims = ModelDims.from_config(config)
+        self.embed_tokens = nn.Embedding(dims.vocab_size, dims.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(dims) for _ in range(dims.num_layers))
+        self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
+        self.lm_head = nn.Linear(dims.hidden_size, dims.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(config, dims.head_dim,
+                                      max_positions or dims.max_position_embeddings)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[torch.Tensor], meta: AttentionMetadata,
+                backend: AttentionBackend) -> torch.Tensor:
+        """Returns final hidden states ``[num_tokens, hidden_size]`` (after the last norm)."""
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, positions, self.rotary, kv_cache, meta, backend)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    @torch.no_grad()
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy transformers-named weights in, fusing q/k/v and gate/up."""
+        own = self.state_dict()
+        rows_filled: dict[str, int] = {}
+        for name, tensor in state.items():
+            key = name.removeprefix("model.")
+            if key.endswith("rotary_emb.inv_freq"):
+                continue
+            target_key, rows = self._fused_target(key)
+            if target_key not in own:
+                raise ValueError(f"unexpected weight {name!r} in the checkpoint")
+            target = own[target_key] if rows is None else own[target_key][rows]
+            if target.shape != tensor.shape:
+                raise ValueError(f"weight {name}: expected {tuple(target.shape)}, "
+                                 f"got {tuple(tensor.shape)}")
+            target.copy_(tensor)
+            rows_filled[target_key] = rows_filled.get(target_key, 0) + target.shape[0]
+        if "lm_head.weight" not in rows_filled:
+            if not self.dims.tie_word_embeddings:
+                raise ValueError("checkpoint has no lm_head.weight and does not tie embeddings")
+            own["lm_head.weight"].copy_(own["embed_tokens.weight"])
+            rows_filled["lm_head.weight"] = own["lm_head.weight"].shape[0]
+        missing = [k for k, t in own.items() if rows_filled.get(k) != t.shape[0]]
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {missing[:5]}")
+
+    def _fused_target(self, key: str) -> tuple[str, slice | None]:
+        """Where an unfused transformers weight lands: the fused key and its row range."""
+        d = self.dims
+        q_size, kv_size = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim
+        fused = {
+            "q_proj": ("qkv_proj", 0, q_size),
+            "k_proj": ("qkv_proj", q_size, kv_size),
+            "v_proj": ("qkv_proj", q_size + kv_size, kv_size),
+            "gate_proj": ("gate_up_proj", 0, d.intermediate_size),
+            "up_proj": ("gate_up_proj", d.intermediate_size, d.intermediate_size),
+        }
+        for part, (name, start, size) in fused.items():
+            if f".{part}." in key:
+                return key.replace(part, name), slice(start, start + size)
+        return key, None

@@ -1,0 +1,93 @@
+"""Model runner: the only place that builds tensors. It executes one scheduled step.
+
+Invariant: one forward per step over the flattened batch (decode rows first, then prefill chunks);
+each token's K/V lands in the slot its block table names; logits are computed only for the rows
+that sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from agentd.kernels import AttentionBackend
+from agentd.model.llama import AttentionMetadata, LlamaModel
+from agentd.scheduler import ScheduledRequest
+
+
+@dataclass
+class StepResult:
+    request_ids: list[str]  # the rows of ``logits``, one per sampling request
+    logits: torch.Tensor  # [num_sampling_requests, vocab_size] float32
+    num_tokens: int  # tokens that went through the model this step
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int,
+                 device: torch.device, dtype: torch.dtype, backend: AttentionBackend) -> None:
+        self.model = model
+        self.block_size = block_size
+        self.device = device
+        self.backend = backend
+        dims = model.dims
+        shape = (num_blocks, 2, block_size, dims.num_kv_heads, dims.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)
+                          for _ in range(dims.num_layers)]
+
+    @staticmethod
+    def kv_bytes_per_block(model: LlamaModel, block_size: int, dtype: torch.dtype) -> int:
+        dims = model.dims
+        elem_bytes = torch.empty((), dtype=dtype).element_size()
+        return dims.num_layers * 2 * block_size * dims.num_kv_heads * dims.head_dim * elem_bytes
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledRequest]) -> StepResult:
+        decodes = [s for s in scheduled if len(s.token_ids) == 1]
+        prefills = [s for s in scheduled if len(s.token_ids) > 1]
+        batch = decodes + prefills
+        input_ids, positions, meta, sample_rows = self._prepare(batch, len(decodes))
+        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        request_ids = [s.request_id for s in batch if s.sample]
+        return StepResult(request_ids, logits, int(input_ids.shape[0]))
+
+    def _prepare(self, batch: list[ScheduledRequest], num_decodes: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int]]:
+        token_ids: list[int] = []
+        seq_index: list[int] = []
+        positions: list[int] = []
+        sample_rows: list[int] = []
+        for i, s in enumerate(batch):
+            num = len(s.token_ids)
+            token_ids.extend(s.token_ids)
+            positions.extend(range(s.start_position, s.start_position + num))
+            seq_index.extend([i] * num)
+            if s.sample:
+                sample_rows.append(len(token_ids) - 1)
+        max_blocks = max(len(s.block_table) for s in batch)
+        # Rows are padded with block 0; kernels never read past a sequence's length.
+        tables = torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table))
+                               for s in batch], dtype=torch.int32)
+        pos = torch.tensor(positions, dtype=torch.long)
+        seq = torch.tensor(seq_index, dtype=torch.long)
+        slots = tables[seq, pos // self.block_size].long() * self.block_size + pos % self.block_size
+        seq_lens = torch.tensor([s.start_position + len(s.token_ids) for s in batch],
+                                dtype=torch.int32)
+        query_lens = [len(s.token_ids) for s in batch[num_decodes:]]
+        query_start = torch.zeros(len(query_lens) + 1, dtype=torch.int32)
+        if query_lens:
+            query_start[1:] = torch.tensor(query_lens, dtype=torch.int32).cumsum(0)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=slots.to(dev),
+            num_decode_tokens=num_decodes,
+            decode_block_tables=tables[:num_decodes].to(dev),
+            decode_seq_lens=seq_lens[:num_decodes].to(dev),
+            prefill_block_tables=tables[num_decodes:].to(dev),
+            prefill_query_start_loc=query_start.to(dev),
+            prefill_seq_lens=seq_lens[num_decodes:].to(dev),
+        )
+        input_ids = torch.tensor(token_ids, dtype=torch.long, device=dev)
+        return input_ids, pos.to(dev), meta, sample_rows

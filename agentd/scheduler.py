@@ -1,0 +1,215 @@
+"""Continuous-batching scheduler: decides which tokens run each step. Pure Python, no tensors.
+
+Policy: first come, first served, running requests before waiting ones. Each step every running
+request gets its next tokens (one when decoding, the rest of its prompt up to the token budget
+when prefilling in chunks); then waiting requests are admitted in order while the token budget
+(``max_num_batched_tokens``), ``max_num_seqs`` and the block pool allow. Admission first asks the
+cache manager for the longest cached prefix, so only the uncached tail is prefilled.
+
+Preemption rule: when a running request cannot get the blocks it needs, the most recently admitted
+running request is preempted: its blocks are freed (full ones stay cached) and it returns to the
+front of the waiting queue to be recomputed later, mostly from cache. Lack of blocks never raises;
+a request that cannot fit even alone in the pool is finished with reason "length".
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from agentd.cache import KVCacheManager
+from agentd.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class ScheduledRequest:
+    request_id: str
+    token_ids: list[int]  # the tokens to run this step
+    start_position: int  # position of token_ids[0] == tokens already computed
+    block_table: list[int]
+    sample: bool  # this step reaches the end of the sequence, so a token is sampled
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+    failed_ids: list[str] = field(default_factory=list)  # finished: they can never fit
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SchedulerStats:
+    prefix_cache_queries: int = 0  # prompt tokens looked up at first admission
+    prefix_cache_hits: int = 0  # of those, tokens found cached
+    num_preemptions: int = 0
+
+
+class Scheduler:
+    def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, eos_token_ids: Iterable[int]) -> None:
+        self.kv_cache = kv_cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.stats = SchedulerStats()
+
+    def add_request(self, request: Request) -> None:
+        if request.num_prompt_tokens == 0:
+            raise ValueError("the prompt is empty")
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {request.num_prompt_tokens} tokens but this model's context "
+                f"(max_model_len) is {self.max_model_len} tokens, which must also hold the output"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._make_room(request, request.num_computed_tokens + num_new, out):
+                break  # request preempted itself: it was the newest
+            out.scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+            index += 1
+        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+               and not out.preempted_ids):
+            request = self.waiting[0]
+            num_new = self._admit(request, budget, out)
+            if num_new is None:
+                break
+            out.scheduled.append(self._scheduled(request, num_new))
+            budget -= num_new
+        return out
+
+    def _make_room(self, request: Request, num_tokens: int, out: SchedulerOutput) -> bool:
+        """Grow ``request``'s blocks to ``num_tokens``, preempting the newest runners if needed."""
+        while self.kv_cache.allocate(request.request_id, num_tokens) is None:
+            victim = self.running.pop()
+            if victim is request and not self.running:
+                self._finish(request, RequestStatus.FINISHED_LENGTH)
+                out.failed_ids.append(request.request_id)
+                return False
+            self._preempt(victim)
+            out.preempted_ids.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _admit(self, request: Request, budget: int, out: SchedulerOutput) -> int | None:
+        """Move the head of the queue to running; returns its token count or None if no room."""
+        cached = self.kv_cache.find_cached_prefix(
+            request.all_token_ids, request.cache_salt, max_num_tokens=request.num_tokens - 1
+        )
+        num_new = min(request.num_tokens - cached.num_tokens, budget)
+        if self.kv_cache.allocate(request.request_id, cached.num_tokens + num_new, cached) is None:
+            if not self.running:  # an empty engine cannot hold it: it never will
+                self.waiting.popleft()
+                self._finish(request, RequestStatus.FINISHED_LENGTH)
+                out.failed_ids.append(request.request_id)
+            return None
+        self.waiting.popleft()
+        request.num_computed_tokens = cached.num_tokens
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = cached.num_tokens
+            self.stats.prefix_cache_queries += request.num_tokens
+            self.stats.prefix_cache_hits += cached.num_tokens
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+        return num_new
+
+    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start: start + num_new],
+            start_position=start,
+            block_table=self.kv_cache.block_table(request.request_id),
+            sample=start + num_new == request.num_tokens,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.stats.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update_from_output(self, out: SchedulerOutput,
+                           sampled_token_ids: dict[str, int]) -> list[Request]:
+        """Advance the scheduled requests; returns those that got a new token (finished or not)."""
+        updated = []
+        for item in out.scheduled:
+            request = self.requests.get(item.request_id)
+            if request is None or request.status.finished:
+                continue  # aborted while the step ran
+            request.num_computed_tokens += len(item.token_ids)
+            self.kv_cache.cache_blocks(request.request_id, request.all_token_ids,
+                                       request.num_computed_tokens, request.cache_salt)
+            if not item.sample:
+                continue
+            request.append_token(sampled_token_ids[item.request_id])
+            status = self._check_stop(request)
+            if status is not None:
+                self._finish(request, status)
+            updated.append(request)
+        return updated
+
+    def _check_stop(self, request: Request) -> RequestStatus | None:
+        token_id = request.all_token_ids[-1]
+        params = request.params
+        if token_id in self.eos_token_ids and not params.ignore_eos:
+            return RequestStatus.FINISHED_STOPPED
+        if token_id in params.stop_token_ids:
+            request.stop_reason = token_id
+            return RequestStatus.FINISHED_STOPPED
+        if (request.num_output_tokens >= request.max_output_tokens
+                or request.num_tokens >= self.max_model_len):
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """Finish a request from outside (abort, stop string); frees its blocks at once."""
+        request = self.requests.get(request_id)
+        if request is None or request.status.finished:
+            return None
+        self._finish(request, status)
+        return request
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        request.status = status
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv_cache.free(request.request_id)
+        del self.requests[request.request_id]

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from agentd.config import EngineConfig
 from agentd.engine import EngineStats, LLMEngine
 from agentd.outputs import StreamDelta
+from agentd.pins import PinResult
 from agentd.sampling_params import SamplingParams
 
 logger = logging.getLogger("agentd")
@@ -117,6 +118,21 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
+    async def run_pin(self, name: str, token_ids: list[int], ttl_s: float | None,
+                      meta: dict[str, Any]) -> PinResult:
+        """Prefill and pin a prefix; returns the engine's PinResult (raises PinError early)."""
+        request_id = f"pin-{uuid.uuid4().hex}"
+        stream: asyncio.Queue[StreamDelta | BaseException] = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        try:
+            await self.call(lambda e: e.add_pin(name, token_ids, ttl_s, meta, request_id))
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        async for _ in self._iterate(request_id, stream):
+            pass
+        return await self.call(lambda e: e.pin_results.pop(request_id))
+
     def abort(self, request_id: str) -> None:
         self._commands.put(lambda: self.engine.abort_request(request_id))
 
@@ -171,6 +187,7 @@ class AsyncEngine:
         while not self._stopping.is_set() or not self._commands.empty():
             try:
                 self._drain_commands(block=not engine.has_unfinished_requests())
+                engine.expire_pins()
                 if engine.has_unfinished_requests():
                     for delta in engine.step():
                         self._post(delta.request_id, delta)

@@ -18,6 +18,7 @@ from agentd.detokenizer import IncrementalDetokenizer
 from agentd.kernels import get_attention_backend
 from agentd.model.build import LoadedModel, load_model
 from agentd.outputs import StreamDelta
+from agentd.pins import PendingPin, PinManager, PinResult
 from agentd.request import Request, RequestStatus
 from agentd.runner import ModelRunner
 from agentd.sampler import Sampler
@@ -44,6 +45,8 @@ class EngineStats:
     num_requests_finished: int
     num_steps: int
     num_model_tokens: int  # tokens that actually went through the model (prefill + decode)
+    num_blocks_pinned: int
+    num_pins: int
 
 
 @dataclass
@@ -78,6 +81,10 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.num_blocks, block_size, self.loaded.device,
                                   self.loaded.dtype, backend)
         self.sampler = Sampler(self.loaded.device)
+        self.pins = PinManager(self.kv_cache, self.tokenizer,
+                               int(config.max_pinned_fraction * self.num_blocks))
+        self.pin_results: dict[str, PinResult] = {}  # finished pin prefills, by request id
+        self.expired_pins: list[str] = []  # pins whose TTL lapsed, for the registry owner
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         self._totals = {"prompt": 0, "generation": 0, "finished": 0, "steps": 0, "model": 0}
@@ -126,11 +133,47 @@ class LLMEngine:
             return None
         return self._delta(self._tracked[request_id], finished=True)
 
+    def add_pin(self, name: str, token_ids: list[int], ttl_s: float | None = None,
+                meta: dict | None = None, request_id: str | None = None) -> str:
+        """Start prefilling a pin; its PinResult lands in ``pin_results[request_id]`` when done.
+
+        Raises PinError (nothing changes) when the name is taken or the budget would overflow.
+        """
+        self.pins.check_can_add(name, token_ids)
+        request_id = request_id or f"pin-{name}-{next(self._ids)}"
+        params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+        self.add_request(token_ids, params, request_id)
+        self.pins.pending[request_id] = PendingPin(name, list(token_ids), ttl_s, dict(meta or {}),
+                                                   time.monotonic())
+        return request_id
+
+    def restore_pin(self, name: str, token_ids: list[int], snapshot_path, ttl_s: float | None,
+                    meta: dict | None = None) -> PinResult | None:
+        """Pin from a KV snapshot without recomputing; None when the snapshot does not fit."""
+        pending = PendingPin(name, list(token_ids), ttl_s, dict(meta or {}), time.monotonic())
+        return self.pins.restore_snapshot(pending, self.runner.kv_caches, snapshot_path,
+                                          self.loaded.fingerprint)
+
+    def save_pin_snapshot(self, name: str, path) -> None:
+        self.pins.save_snapshot(self.pins.registry.get(name), self.runner.kv_caches, path,
+                                self.loaded.fingerprint)
+
+    def unpin(self, name: str) -> None:
+        """Drop a pin; its blocks become ordinary cached blocks. Raises PinNotFoundError."""
+        self.pins.registry.remove(name)
+
+    def expire_pins(self) -> None:
+        for name in self.pins.registry.expired(time.monotonic()):
+            self.pins.registry.remove(name)
+            self.expired_pins.append(name)
+
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[StreamDelta]:
         out = self.scheduler.schedule()
+        for request_id in out.admitted_ids:
+            self.pins.on_admitted(self.scheduler.requests[request_id])
         deltas = [self._delta(self._tracked[rid], finished=True,
                               error="the request does not fit in the KV cache pool")
                   for rid in out.failed_ids]
@@ -160,6 +203,11 @@ class LLMEngine:
         tracked.num_emitted_tokens = request.num_output_tokens
         text = tracked.detokenizer.flush(finished)
         if finished:
+            if request.request_id in self.pins.pending:
+                result = self.pins.complete(request.request_id,
+                                            failed=error or request.status.value == "abort")
+                if result is not None:
+                    self.pin_results[request.request_id] = result
             del self._tracked[request.request_id]
             self.sampler.forget(request.request_id)
             self._totals["finished"] += 1
@@ -197,4 +245,6 @@ class LLMEngine:
             num_requests_finished=self._totals["finished"],
             num_steps=self._totals["steps"],
             num_model_tokens=self._totals["model"],
+            num_blocks_pinned=self.pins.registry.num_pinned_blocks,
+            num_pins=len(self.pins.registry),
         )

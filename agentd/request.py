@@ -41,6 +41,8 @@ class Request:
     stop_reason: str | int | None = None
     first_token_time_s: float | None = None
     num_preemptions: int = 0
+    prefix_block_hashes: list[bytes] | None = None  # hashes of the prompt's full blocks
+    pin_name: str | None = None  # the pin this request hit, if any
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -36,6 +36,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     failed_ids: list[str] = field(default_factory=list)  # finished: they can never fit
+    admitted_ids: list[str] = field(default_factory=list)  # first admissions this step
 
     @property
     def num_batched_tokens(self) -> int:
@@ -140,6 +141,8 @@ class Scheduler:
         request.num_computed_tokens = cached.num_tokens
         if request.num_cached_tokens is None:
             request.num_cached_tokens = cached.num_tokens
+            request.prefix_block_hashes = cached.block_hashes
+            out.admitted_ids.append(request.request_id)
             self.stats.prefix_cache_queries += request.num_tokens
             self.stats.prefix_cache_hits += cached.num_tokens
         request.status = RequestStatus.RUNNING

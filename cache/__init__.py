@@ -8,6 +8,14 @@ from __future__ import annotations
 from .block_pool import BlockPool, FreeBlockQueue, KVBlock, NoFreeBlocksError
 from .hashing import BlockHash, hash_block, hash_blocks
 from .kv_cache_manager import CachedPrefix, KVCacheManager
+from .pins import (
+    Pin,
+    PinBudgetError,
+    PinError,
+    PinExistsError,
+    PinNotFoundError,
+    PinRegistry,
+)
 
 __all__ = [
     "BlockHash",
@@ -17,6 +25,12 @@ __all__ = [
     "KVBlock",
     "KVCacheManager",
     "NoFreeBlocksError",
+    "Pin",
+    "PinBudgetError",
+    "PinError",
+    "PinExistsError",
+    "PinNotFoundError",
+    "PinRegistry",
     "hash_block",
     "hash_blocks",
 ]

@@ -1,0 +1,219 @@
+"""Engine-side pins: prefill a named prefix, hold its blocks, credit hits, diagnose near misses,
+and snapshot/restore the pinned KV.
+
+Runs on the engine thread only. Invariants: a pin is registered only after every one of its
+blocks holds computed KV; a snapshot is reused only when the model fingerprint and the token ids
+both match, otherwise the prefix is recomputed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections import Counter, deque
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from agentd.cache import KVCacheManager, Pin, PinError, PinExistsError, PinRegistry
+from agentd.request import Request
+
+_NEAR_MISS_KEEP = 256
+_CONTEXT_CHARS = 48
+_DATE_TIME = re.compile(
+    r"\d{4}-\d{2}-\d{2}|\d{1,2}:\d{2}|\b(?:19|20)\d{2}\b|"
+    r"\b(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun)[a-z]*\b|"
+    r"\b(?:Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec)[a-z]*\b|\btoday\b|\bdate\b",
+    re.IGNORECASE,
+)
+
+
+@dataclass
+class NearMiss:
+    pin: str
+    request_id: str
+    divergence_token: int  # index of the first token that differs from the pin
+    pin_num_tokens: int
+    pin_text: str  # decoded text around the divergence, the pin's side
+    request_text: str  # the same for the request
+    cause: str
+    time_s: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class PendingPin:
+    name: str
+    token_ids: list[int]
+    ttl_s: float | None
+    meta: dict[str, Any]
+    started_s: float
+
+
+@dataclass
+class PinResult:
+    pin: Pin | None
+    error: Exception | None
+    elapsed_s: float
+    restored: bool  # KV came from a snapshot instead of a prefill
+
+
+class PinManager:
+    def __init__(self, kv_cache: KVCacheManager, tokenizer, max_pinned_blocks: int) -> None:
+        self.kv_cache = kv_cache
+        self.tokenizer = tokenizer
+        self.registry = PinRegistry(kv_cache, max_pinned_blocks)
+        self.pending: dict[str, PendingPin] = {}  # request id -> pin being prefilled
+        self.near_misses: deque[NearMiss] = deque(maxlen=_NEAR_MISS_KEEP)
+        self.near_miss_counts: Counter[tuple[str, str]] = Counter()
+
+    # --- registration ----------------------------------------------------------------------
+    def check_can_add(self, name: str, token_ids: list[int]) -> None:
+        """Raise PinError (409/400) before any work when the pin cannot be added."""
+        if any(p.name == name for p in self.pending.values()):
+            raise PinExistsError(f"a pin named {name!r} is being registered already")
+        num_blocks = len(token_ids) // self.kv_cache.block_size
+        if num_blocks == 0:
+            raise PinError(f"the prefix is shorter than one block ({self.kv_cache.block_size} "
+                           "tokens): nothing to pin")
+        cached = self.kv_cache.find_cached_prefix(token_ids)
+        already = sum(1 for b in cached.block_ids if self.registry.holds(b))
+        self.registry.check_can_add(name, num_blocks=num_blocks - already)
+
+    def complete(self, request_id: str, failed: str | bool = False) -> PinResult | None:
+        """Called when a pin's prefill request finishes: take references on its blocks."""
+        pending = self.pending.pop(request_id, None)
+        if pending is None:
+            return None
+        if failed:
+            reason = failed if isinstance(failed, str) else "the prefill was aborted"
+            return PinResult(None, RuntimeError(reason), time.monotonic() - pending.started_s,
+                             restored=False)
+        return self._register(pending, restored=False)
+
+    def _register(self, pending: PendingPin, restored: bool) -> PinResult:
+        cached = self.kv_cache.find_cached_prefix(pending.token_ids)
+        num_blocks = len(pending.token_ids) // self.kv_cache.block_size
+        elapsed = time.monotonic() - pending.started_s
+        if len(cached.block_ids) < num_blocks:
+            return PinResult(None, RuntimeError("the pin's blocks were not all cached after its "
+                                                "prefill (is prefix caching disabled?)"),
+                             elapsed, restored)
+        try:
+            pin = self.registry.add(pending.name, pending.token_ids[: num_blocks *
+                                                                    self.kv_cache.block_size],
+                                    cached.block_ids, cached.block_hashes[:num_blocks],
+                                    now_s=time.monotonic(), created_s=time.time(),
+                                    ttl_s=pending.ttl_s, meta=pending.meta)
+        except Exception as exc:
+            return PinResult(None, exc, elapsed, restored)
+        pin.meta["prefill_s" if not restored else "restore_s"] = elapsed
+        return PinResult(pin, None, elapsed, restored)
+
+    # --- snapshots -------------------------------------------------------------------------
+    def save_snapshot(self, pin: Pin, kv_caches: list[torch.Tensor], path: Path,
+                      fingerprint: str) -> None:
+        """Write the pin's KV blocks to ``path`` atomically (tmp file + rename)."""
+        index = torch.tensor(pin.block_ids, dtype=torch.long, device=kv_caches[0].device)
+        kv = torch.stack([layer.index_select(0, index) for layer in kv_caches]).cpu()
+        payload = {"fingerprint": fingerprint, "token_ids": pin.token_ids, "kv": kv}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        with open(tmp, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def restore_snapshot(self, pending: PendingPin, kv_caches: list[torch.Tensor], path: Path,
+                         fingerprint: str) -> PinResult | None:
+        """Load a snapshot into fresh blocks and pin them; None when it does not fit this model."""
+        try:
+            payload = torch.load(path, map_location="cpu", weights_only=True)
+        except (OSError, RuntimeError, EOFError, ValueError):
+            return None
+        block_size = self.kv_cache.block_size
+        num_blocks = len(pending.token_ids) // block_size
+        kv = payload.get("kv")
+        if (payload.get("fingerprint") != fingerprint
+                or payload.get("token_ids") != pending.token_ids[: num_blocks * block_size]
+                or kv is None or tuple(kv.shape[2:]) != tuple(kv_caches[0].shape[1:])
+                or kv.shape[0] != len(kv_caches) or kv.shape[1] != num_blocks):
+            return None
+        self.registry.check_can_add(pending.name, num_blocks=num_blocks)
+        request_id = f"pin-restore-{pending.name}"
+        cached = self.kv_cache.find_cached_prefix(pending.token_ids)
+        if self.kv_cache.allocate(request_id, num_blocks * block_size, cached) is None:
+            return None
+        table = self.kv_cache.block_table(request_id)
+        num_reused = len(cached.block_ids)
+        new_ids = torch.tensor(table[num_reused:], dtype=torch.long)
+        for layer, saved in zip(kv_caches, kv, strict=True):
+            layer.index_copy_(0, new_ids.to(layer.device),
+                              saved[num_reused:].to(device=layer.device, dtype=layer.dtype))
+        self.kv_cache.cache_blocks(request_id, pending.token_ids, num_blocks * block_size)
+        result = self._register(pending, restored=True)
+        self.kv_cache.free(request_id)  # the pin's own references keep the blocks
+        return result
+
+    # --- accounting ------------------------------------------------------------------------
+    def on_admitted(self, request: Request) -> None:
+        """Credit a pin hit, or record a near miss, for a request admitted for the first time."""
+        if (not len(self.registry) or request.prefix_block_hashes is None
+                or request.request_id in self.pending):
+            return
+        hashes = request.prefix_block_hashes
+        pin = self.registry.match(hashes)
+        if pin is not None:
+            request.pin_name = pin.name
+            served = min(request.num_cached_tokens or 0, pin.num_tokens)
+            self.registry.record_hit(pin, served, time.monotonic())
+            return
+        for candidate in self.registry:
+            self._check_near_miss(candidate, request, hashes)
+
+    def _check_near_miss(self, pin: Pin, request: Request, hashes: list[bytes]) -> None:
+        block_size = self.kv_cache.block_size
+        num_equal = 0
+        for mine, theirs in zip(pin.block_hashes, hashes, strict=False):
+            if mine != theirs:
+                break
+            num_equal += 1
+        if num_equal == 0 or num_equal * block_size < pin.num_tokens // 4:
+            return  # a different prompt, not a near miss
+        start = num_equal * block_size
+        index = start
+        tokens = request.all_token_ids
+        while index < min(len(tokens), pin.num_tokens) and tokens[index] == pin.token_ids[index]:
+            index += 1
+        if index >= pin.num_tokens:
+            return  # the request is simply shorter than the pin... or salted differently
+        pin_text = self._context(pin.token_ids, index)
+        request_text = self._context(tokens, index)
+        cause = guess_cause(pin_text, request_text)
+        self.near_misses.append(NearMiss(pin.name, request.request_id, index, pin.num_tokens,
+                                         pin_text, request_text, cause, time.time()))
+        self.near_miss_counts[(pin.name, cause)] += 1
+
+    def _context(self, token_ids: list[int], index: int) -> str:
+        before = self.tokenizer.decode(token_ids[max(0, index - 8):index])
+        after = self.tokenizer.decode(token_ids[index:index + 12])
+        return (before[-_CONTEXT_CHARS:] + "⟦" + after[:_CONTEXT_CHARS]).replace("\n", "\\n")
+
+
+def guess_cause(pin_text: str, request_text: str) -> str:
+    """A short human guess at why a prompt diverged from a pin."""
+    pin_after = pin_text.split("⟦", 1)[-1]
+    req_after = request_text.split("⟦", 1)[-1]
+    if _DATE_TIME.search(pin_after) or _DATE_TIME.search(req_after):
+        return "a date or time in the prompt changes between requests"
+    if '"type": "function"' in pin_text + request_text or '"name":' in pin_after + req_after:
+        return "the tools differ (another order, or changed schemas)"
+    if "<|" in pin_after + req_after or "[INST]" in pin_after + req_after:
+        return "a different chat template or message layout"
+    return "the prompt text changed"

@@ -1,0 +1,163 @@
+"""Pin registry: named prefixes whose blocks are held by a reference, so they are never evicted.
+
+A pin is a reference held by a named owner: pin = touch, unpin = free. Pinned blocks therefore
+have ``ref_cnt > 0`` and never reach the free queue; the evictor needs no "pinned" flag.
+Invariants: a pin holds exactly one reference on each of its blocks; the number of distinct
+pinned blocks never exceeds ``max_pinned_blocks``; a refused pin changes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .hashing import BlockHash
+from .kv_cache_manager import KVCacheManager
+
+
+class PinError(Exception):
+    """A pin request that cannot be honoured; ``status`` is the HTTP status that fits."""
+
+    status = 400
+
+
+class PinExistsError(PinError):
+    status = 409
+
+
+class PinNotFoundError(PinError):
+    status = 404
+
+
+class PinBudgetError(PinError):
+    status = 409
+
+    def __init__(self, name: str, num_needed: int, num_left: int, max_blocks: int) -> None:
+        super().__init__(
+            f"pin {name!r} needs {num_needed} more pinned blocks but only {num_left} of the "
+            f"{max_blocks}-block pin budget are left; unpin something or raise "
+            "--max-pinned-fraction"
+        )
+        self.num_needed = num_needed
+        self.num_left = num_left
+
+
+@dataclass
+class Pin:
+    name: str
+    token_ids: list[int]
+    block_ids: list[int]
+    block_hashes: list[BlockHash]
+    created_s: float  # wall-clock time of registration
+    ttl_s: float | None
+    last_hit_s: float  # monotonic time of registration or of the latest hit
+    num_hits: int = 0
+    num_tokens_served: int = 0
+    meta: dict[str, Any] = field(default_factory=dict)  # opaque to the cache (source text...)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
+
+
+class PinRegistry:
+    def __init__(self, kv_cache: KVCacheManager, max_pinned_blocks: int) -> None:
+        self.kv_cache = kv_cache
+        self.max_pinned_blocks = max_pinned_blocks
+        self._pins: dict[str, Pin] = {}
+        self._holders: dict[int, int] = {}  # block id -> number of pins holding it
+
+    def __iter__(self) -> Iterator[Pin]:
+        return iter(list(self._pins.values()))
+
+    def __len__(self) -> int:
+        return len(self._pins)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._pins
+
+    def get(self, name: str) -> Pin:
+        if name not in self._pins:
+            raise PinNotFoundError(f"no pin named {name!r}")
+        return self._pins[name]
+
+    def holds(self, block_id: int) -> bool:
+        return block_id in self._holders
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        """Distinct blocks held by pins (pins sharing a prefix share its blocks)."""
+        return len(self._holders)
+
+    def check_can_add(self, name: str, block_ids: Sequence[int] | None = None,
+                      num_blocks: int = 0) -> None:
+        """Raise if ``name`` is taken or the blocks would exceed the budget; changes nothing.
+
+        Args:
+            name: the pin's name.
+            block_ids: the exact blocks, when known (shared ones cost nothing).
+            num_blocks: otherwise, an upper bound on the new blocks.
+        """
+        if name in self._pins:
+            raise PinExistsError(f"a pin named {name!r} already exists; unpin it first")
+        if block_ids is not None:
+            num_blocks = len({b for b in block_ids if b not in self._holders})
+        num_left = self.max_pinned_blocks - self.num_pinned_blocks
+        if num_blocks > num_left:
+            raise PinBudgetError(name, num_blocks, num_left, self.max_pinned_blocks)
+
+    def add(self, name: str, token_ids: Sequence[int], block_ids: Sequence[int],
+            block_hashes: Sequence[BlockHash], now_s: float, created_s: float,
+            ttl_s: float | None = None, meta: dict[str, Any] | None = None) -> Pin:
+        """Pin ``block_ids`` (the full blocks of ``token_ids``) under ``name``.
+
+        Returns:
+            The new pin. Raises PinError (nothing changes) on a taken name or budget overrun.
+        """
+        if len(block_ids) != len(block_hashes) or len(token_ids) != len(block_ids) * (
+                self.kv_cache.block_size):
+            raise ValueError("a pin covers whole blocks: token, block and hash counts disagree")
+        self.check_can_add(name, block_ids)
+        self.kv_cache.touch(block_ids)
+        for block_id in block_ids:
+            self._holders[block_id] = self._holders.get(block_id, 0) + 1
+        pin = Pin(name, list(token_ids), list(block_ids), list(block_hashes), created_s, ttl_s,
+                  now_s, meta=dict(meta or {}))
+        self._pins[name] = pin
+        return pin
+
+    def remove(self, name: str) -> Pin:
+        """Unpin: drop the pin's references; its blocks become ordinary cached (LRU) blocks."""
+        pin = self.get(name)
+        del self._pins[name]
+        self.kv_cache.free_blocks(pin.block_ids)
+        for block_id in pin.block_ids:
+            self._holders[block_id] -= 1
+            if not self._holders[block_id]:
+                del self._holders[block_id]
+        return pin
+
+    def match(self, block_hashes: Sequence[BlockHash]) -> Pin | None:
+        """The longest pin whose whole prefix starts ``block_hashes`` (a request's chain)."""
+        best: Pin | None = None
+        for pin in self._pins.values():
+            n = pin.num_blocks
+            if n <= len(block_hashes) and block_hashes[n - 1] == pin.block_hashes[-1]:
+                if best is None or n > best.num_blocks:
+                    best = pin
+        return best
+
+    def record_hit(self, pin: Pin, num_tokens: int, now_s: float) -> None:
+        pin.num_hits += 1
+        pin.num_tokens_served += num_tokens
+        pin.last_hit_s = now_s
+
+    def expired(self, now_s: float) -> list[str]:
+        """Names of pins whose TTL passed without a hit (they should decay to LRU)."""
+        return [p.name for p in self._pins.values()
+                if p.ttl_s is not None and now_s - p.last_hit_s > p.ttl_s]

@@ -150,7 +150,10 @@ class PinService:
         except OSError as exc:
             self.last_persist_error = f"could not write {path}: {exc}"
             logger.error("pins are serving from memory only: %s", self.last_persist_error)
-            tmp.unlink(missing_ok=True)
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
 
     async def _snapshot(self, name: str) -> None:
         path = self._snapshot_path(name)

@@ -75,6 +75,8 @@ class PinManager:
     # --- registration ----------------------------------------------------------------------
     def check_can_add(self, name: str, token_ids: list[int]) -> None:
         """Raise PinError (409/400) before any work when the pin cannot be added."""
+        if name in self.registry:
+            raise PinExistsError(f"a pin named {name!r} already exists; unpin it first")
         if any(p.name == name for p in self.pending.values()):
             raise PinExistsError(f"a pin named {name!r} is being registered already")
         num_blocks = len(token_ids) // self.kv_cache.block_size

@@ -1,0 +1,291 @@
+"""Pins at the engine level: hits for any user message, survival under pool pressure, budget,
+TTL decay, near-miss diagnosis, and restart restore from a KV snapshot (or recompute)."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import time
+from importlib import resources
+
+import pytest
+
+from agentd.async_engine import AsyncEngine
+from agentd.cache import PinBudgetError, PinExistsError
+from agentd.chat import render_chat
+from agentd.config import EngineConfig
+from agentd.pin_service import PinService, PinSpec
+from agentd.sampling_params import SamplingParams
+
+BLOCK_BYTES_TINY_LLAMA = 2 * 2 * 16 * 2 * 16 * 4  # layers * K/V * block * kv heads * dim * fp32
+
+
+def workload(name: str) -> dict:
+    return json.loads(resources.files("agentd.workloads").joinpath(f"{name}.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def research() -> dict:
+    return workload("research_agent")
+
+
+def make_engine(path, num_blocks: int = 1024, **kwargs) -> AsyncEngine:
+    config = EngineConfig(model=str(path),
+                          kv_cache_memory_bytes=num_blocks * BLOCK_BYTES_TINY_LLAMA, **kwargs)
+    engine = AsyncEngine.from_config(config)
+    engine.start()
+    return engine
+
+
+async def chat(engine: AsyncEngine, system: str, user: str, tools=None, max_tokens: int = 4):
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    ids = render_chat(engine.tokenizer, messages, tools, None).prompt_token_ids
+    last = None
+    tokens: list[int] = []
+    async for delta in engine.add_request(ids, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                              ignore_eos=True)):
+        tokens += delta.token_ids
+        last = delta
+    return last, tokens
+
+
+@pytest.fixture
+def tiny_llama(tiny_model_factory):
+    return tiny_model_factory("llama")
+
+
+def test_pin_hits_for_any_user_message(tiny_llama, research, tmp_path):
+    async def run():
+        engine = make_engine(tiny_llama)
+        try:
+            service = PinService(engine, tmp_path)
+            info = await service.add(PinSpec("research", research["system"], research["tools"]))
+            assert info["num_tokens"] % 16 == 0 and info["num_blocks"] == info["num_tokens"] // 16
+            assert info["num_tokens"] > 1500
+            for turn in research["turns"][:4]:
+                last, _ = await chat(engine, research["system"], turn, research["tools"])
+                assert last.num_cached_tokens >= info["num_tokens"]
+            [listed] = await service.list()
+            assert listed["hits"] == 4
+            assert listed["tokens_served"] == 4 * info["num_tokens"]
+            # tools given with their keys in another order render the same tokens: still a hit
+            shuffled = [{k: dict(reversed(list(v.items()))) if isinstance(v, dict) else v
+                         for k, v in reversed(list(t.items()))} for t in research["tools"]]
+            assert json.dumps(shuffled) != json.dumps(research["tools"])
+            last, _ = await chat(engine, research["system"], "Hi", shuffled)
+            assert last.num_cached_tokens >= info["num_tokens"]
+            stats = engine.stats()
+            assert stats.num_pins == 1 and stats.num_blocks_pinned == info["num_blocks"]
+            with pytest.raises(PinExistsError):
+                await service.add(PinSpec("research", "other", None))
+        finally:
+            engine.shutdown()
+
+    asyncio.run(run())
+
+
+def test_pin_survives_pool_pressure_while_unpinned_prefix_is_evicted(tiny_llama, research,
+                                                                     tmp_path):
+    support = workload("support_agent")
+
+    async def run():
+        engine = make_engine(tiny_llama, num_blocks=480)
+        try:
+            service = PinService(engine, tmp_path)
+            info = await service.add(PinSpec("research", research["system"], research["tools"]))
+            # an equally old, unpinned prefix of similar size
+            await chat(engine, support["system"], support["turns"][0])
+            again, _ = await chat(engine, support["system"], support["turns"][1])
+            assert again.num_cached_tokens > 1000
+            # unique long prompts, several times the pool's free size
+            vocab_filler = list(range(1000, 1000 + 900))
+            for i in range(8):
+                ids = [5000 + i] + vocab_filler
+                async for _ in engine.add_request(ids, SamplingParams(max_tokens=1)):
+                    pass
+            last, _ = await chat(engine, research["system"], "new question", research["tools"])
+            assert last.num_cached_tokens >= info["num_tokens"]
+            evicted, _ = await chat(engine, support["system"], support["turns"][2])
+            assert evicted.num_cached_tokens < 100  # only what the chat template shares
+            stats = engine.stats()
+            assert stats.num_blocks_pinned == info["num_blocks"]
+            await engine.call(lambda e: e.kv_cache.pool.check_integrity())
+        finally:
+            engine.shutdown()
+
+    asyncio.run(run())
+
+
+def test_pin_over_budget_is_refused_and_changes_nothing(tiny_llama, research, tmp_path):
+    async def run():
+        engine = make_engine(tiny_llama, num_blocks=1024, max_pinned_fraction=0.1)
+        try:
+            service = PinService(engine, tmp_path)
+            before = engine.stats()
+            with pytest.raises(PinBudgetError) as err:
+                await service.add(PinSpec("big", research["system"], research["tools"]))
+            assert err.value.status == 409
+            assert "102" in str(err.value)  # the budget in blocks: 10% of 1024
+            after = await engine.call(lambda e: e.stats())
+            assert after.num_pins == 0 and after.num_blocks_pinned == 0
+            assert after.num_blocks_used == 0
+            assert after.prompt_tokens_total == before.prompt_tokens_total  # no prefill ran
+            assert not (tmp_path / "pins.json").exists()
+        finally:
+            engine.shutdown()
+
+    asyncio.run(run())
+
+
+def test_ttl_decays_to_ordinary_lru_blocks(tiny_llama, research, tmp_path):
+    async def run():
+        engine = make_engine(tiny_llama)
+        try:
+            service = PinService(engine, tmp_path)
+            info = await service.add(PinSpec("short", research["system"], None, ttl_s=0.3))
+            assert (await service.list())[0]["ttl"] == 0.3
+            await asyncio.sleep(0.8)
+            assert await service.list() == []
+            stats = engine.stats()
+            assert stats.num_blocks_pinned == 0 and stats.num_blocks_used == 0
+            assert stats.num_blocks_cached >= info["num_blocks"]  # decayed, not dropped
+            saved = json.loads((tmp_path / "pins.json").read_text())
+            assert saved["pins"] == []
+        finally:
+            engine.shutdown()
+
+    asyncio.run(run())
+
+
+def test_ttl_is_refreshed_by_hits(tiny_llama, research, tmp_path):
+    async def run():
+        engine = make_engine(tiny_llama)
+        try:
+            service = PinService(engine, tmp_path)
+            await service.add(PinSpec("busy", research["system"], None, ttl_s=0.6))
+            for _ in range(4):
+                await asyncio.sleep(0.3)
+                await chat(engine, research["system"], "ping")
+            assert [p["name"] for p in await service.list()] == ["busy"]
+        finally:
+            engine.shutdown()
+
+    asyncio.run(run())
+
+
+def test_near_miss_reports_timestamp_divergence(tiny_llama, research, tmp_path):
+    async def run():
+        engine = make_engine(tiny_llama)
+        try:
+            service = PinService(engine, tmp_path)
+            info = await service.add(PinSpec("research", research["system"], research["tools"]))
+            dated = research["system"].replace("\n", "\nCurrent date: 2026-11-29 15:04.\n", 1)
+            await chat(engine, dated, "What changed?", research["tools"])
+            misses = await engine.call(lambda e: list(e.pins.near_misses))
+            assert len(misses) == 1
+            miss = misses[0]
+            assert miss.pin == "research"
+            assert 0 < miss.divergence_token < info["num_tokens"]
+            assert "2026" in miss.request_text or "date" in miss.request_text.lower()
+            assert "date or time" in miss.cause
+        finally:
+            engine.shutdown()
+
+    asyncio.run(run())
+
+
+def test_restart_restores_from_snapshot_with_identical_outputs(tiny_model_factory, research,
+                                                               tmp_path):
+    path = tiny_model_factory("llama")
+    question = research["turns"][5]
+
+    async def first_life():
+        engine = make_engine(path)
+        try:
+            service = PinService(engine, tmp_path)
+            await service.add(PinSpec("research", research["system"], research["tools"]))
+        finally:
+            engine.shutdown()
+
+    async def second_life():
+        engine = make_engine(path)
+        try:
+            service = PinService(engine, tmp_path)
+            [entry] = await service.restore_all()
+            assert entry["source"] == "snapshot"
+            last, tokens = await chat(engine, research["system"], question, research["tools"],
+                                      max_tokens=8)
+            assert last.num_cached_tokens >= entry["num_tokens"]
+            listed = await service.list()
+            assert listed[0]["restore_s"] is not None
+            return tokens
+        finally:
+            engine.shutdown()
+
+    async def uncached():
+        engine = make_engine(path, enable_prefix_caching=False)
+        try:
+            return (await chat(engine, research["system"], question, research["tools"],
+                               max_tokens=8))[1]
+        finally:
+            engine.shutdown()
+
+    asyncio.run(first_life())
+    restored = asyncio.run(second_life())
+    assert restored == asyncio.run(uncached())
+
+
+def test_snapshot_of_another_model_is_recomputed_not_reused(tiny_model_factory, research,
+                                                           tmp_path):
+    async def pin_with(model_type: str):
+        engine = make_engine(tiny_model_factory(model_type))
+        try:
+            service = PinService(engine, tmp_path)
+            if not service.load_specs():
+                await service.add(PinSpec("research", research["system"], None))
+                return None
+            return await service.restore_all()
+        finally:
+            engine.shutdown()
+
+    assert asyncio.run(pin_with("llama")) is None
+    [entry] = asyncio.run(pin_with("mistral"))  # same shapes and tokenizer, other weights
+    assert entry["source"] == "recompute"
+
+
+def test_unreadable_registry_is_ignored(tiny_llama, tmp_path):
+    (tmp_path / "pins.json").write_text("{not json")
+
+    async def run():
+        engine = make_engine(tiny_llama)
+        try:
+            assert await PinService(engine, tmp_path).restore_all() == []
+        finally:
+            engine.shutdown()
+
+    asyncio.run(run())
+
+
+def test_registry_write_failure_is_reported_and_pins_still_serve(tiny_llama, research, tmp_path):
+    blocker = tmp_path / "state"
+    blocker.write_text("a file where the state dir should be")
+
+    async def run():
+        engine = make_engine(tiny_llama)
+        try:
+            service = PinService(engine, blocker)
+            info = await service.add(PinSpec("research", research["system"], None))
+            assert service.last_persist_error is not None
+            last, _ = await chat(engine, research["system"], "hello")
+            assert last.num_cached_tokens >= info["num_tokens"]
+        finally:
+            engine.shutdown()
+
+    asyncio.run(run())
+
+
+def test_pin_spec_round_trips_through_json():
+    spec = PinSpec("a", "sys", [{"type": "function", "function": {"name": "f"}}], 60.0, 1.5)
+    assert PinSpec(**json.loads(json.dumps(spec.to_json()))) == copy.deepcopy(spec)
+    assert time.time() > 0

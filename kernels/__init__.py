@@ -1,0 +1,11 @@
+"""Attention and KV-write kernels over the paged KV pool.
+
+Two backends behind one interface (:class:`AttentionBackend`): ``torch`` (the references; the CPU
+path) and ``triton`` (CUDA, or CPU under ``TRITON_INTERPRET=1`` for tests).
+"""
+
+from __future__ import annotations
+
+from agentd.kernels.backend import AttentionBackend, get_attention_backend
+
+__all__ = ["AttentionBackend", "get_attention_backend"]

@@ -1,0 +1,59 @@
+"""Backend selection: the runner calls ``write_kv``, ``decode`` and ``prefill`` on one object."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from agentd.kernels.decode_attention import reference_decode_attention
+from agentd.kernels.kv_write import reference_write_kv
+from agentd.kernels.prefill_attention import reference_prefill_attention
+
+
+class _WriteKV(Protocol):
+    def __call__(self, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None: ...
+
+
+class _Decode(Protocol):
+    def __call__(self, query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, scale: float) -> torch.Tensor: ...
+
+
+class _Prefill(Protocol):
+    def __call__(self, query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                 query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                 scale: float) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    name: str
+    write_kv: _WriteKV
+    decode: _Decode
+    prefill: _Prefill
+
+
+TORCH_BACKEND = AttentionBackend(
+    "torch", reference_write_kv, reference_decode_attention, reference_prefill_attention
+)
+
+
+def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """Pick ``torch`` or ``triton``; ``auto`` is Triton on CUDA and torch elsewhere."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return TORCH_BACKEND
+    if name == "triton":
+        try:
+            from agentd.kernels.triton_backend import TRITON_BACKEND
+        except ImportError as exc:  # pragma: no cover - depends on the install
+            raise RuntimeError(
+                f"the triton attention backend is unavailable ({exc}); install it with "
+                "`pip install triton` or use --attention-backend torch"
+            ) from exc
+        return TRITON_BACKEND
+    raise ValueError(f"unknown attention backend {name!r}: use auto, torch or triton")

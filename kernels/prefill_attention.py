@@ -1,0 +1,215 @@
+"""Paged attention for prefill chunks over a cached prefix (variable length, causal).
+
+The batch is flattened: sequence ``i`` owns query rows ``query_start_loc[i] ..
+query_start_loc[i+1] - 1``. Its new keys/values are already in the pool, so its context is
+``seq_lens[i]`` tokens and query row ``j`` of a chunk of ``q`` tokens sits at position
+``seq_lens[i] - q + j``; it attends to every key at a position ``<=`` its own.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from agentd.kernels._common import (
+    check_attention_inputs,
+    check_index,
+    dot_dtype,
+    jit,
+    next_pow2,
+    tl,
+    triton,
+)
+from agentd.kernels.decode_attention import gather_kv
+
+
+def reference_prefill_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Torch reference (and CPU path).
+
+    Args:
+        query: ``[num_tokens, num_heads, head_dim]``, all sequences' chunks back to back.
+        kv_cache: ``[num_blocks, 2, block_size, num_kv_heads, head_dim]``.
+        block_tables: ``[num_seqs, max_blocks_per_seq]`` int32.
+        query_start_loc: ``[num_seqs + 1]`` int32 offsets into ``query``.
+        seq_lens: ``[num_seqs]`` total context per sequence (cached prefix + this chunk).
+        scale: softmax scale.
+    Returns:
+        ``[num_tokens, num_heads, head_dim]`` in the query's dtype.
+    """
+    out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    for i, seq_len in enumerate(lens):
+        start, end = starts[i], starts[i + 1]
+        num_queries = end - start
+        if num_queries == 0:
+            continue
+        keys, values = gather_kv(kv_cache, block_tables[i].long(), seq_len)
+        q_pos = torch.arange(seq_len - num_queries, seq_len, device=query.device)
+        k_pos = torch.arange(seq_len, device=query.device)
+        mask = k_pos[None, :] <= q_pos[:, None]  # [q, L]
+        attn = torch.nn.functional.scaled_dot_product_attention(
+            query[start:end].transpose(0, 1).unsqueeze(0),  # [1, H, q, D]
+            keys.transpose(0, 1).unsqueeze(0).to(query.dtype),  # [1, Hkv, L, D]
+            values.transpose(0, 1).unsqueeze(0).to(query.dtype),
+            attn_mask=mask[None, None],
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[start:end] = attn[0].transpose(0, 1)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton: one program per (BLOCK_M query rows of one sequence, query head). The grid's first axis
+# runs over every sequence's query tiles back to back; a program finds its sequence by binary
+# search over the tiles' start offsets, so the launch needs no device->host sync. It walks that
+# sequence's keys in BLOCK_N-token tiles gathered through the block table, from position 0 up to
+# the tile's last causal position, with an fp32 online softmax.
+# ---------------------------------------------------------------------------------------------
+
+_BLOCK_M = 64  # query rows per program (smaller for short chunks; tl.dot needs >= 16)
+_BLOCK_N = 64  # key tokens per inner-loop tile, independent of the pool's block size
+_LOG2E = 1.4426950408889634
+
+
+@jit
+def _prefill_kernel(
+    out_ptr, q_ptr, kv_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+    tile_start_loc_ptr,  # [num_seqs + 1]: the first query tile of each sequence, then the total
+    num_seqs, qk_scale,  # softmax scale * log2(e): the kernel works in base 2
+    stride_qt, stride_qh,
+    stride_kvb, stride_kvkv, stride_kvt, stride_kvh,
+    stride_bts, stride_ot, stride_oh,
+    GROUP_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    if tile >= tl.load(tile_start_loc_ptr + num_seqs):
+        return  # the grid is sized by an upper bound on the number of tiles
+    # The owner is the last sequence whose first tile is <= this one (empty chunks own none).
+    lo = tile * 0  # int32 scalars even when num_seqs == 1 is specialised to a constant
+    hi = lo + num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if tl.load(tile_start_loc_ptr + mid) <= tile:
+            lo = mid
+        else:
+            hi = mid - 1
+    seq = lo
+    m_tile = tile - tl.load(tile_start_loc_ptr + seq)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    seq_len = tl.load(seq_lens_ptr + seq)
+    prefix_len = seq_len - q_len
+
+    rows = m_tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < q_len
+    # Rows past the chunk sit past seq_len, so they see every key and stay finite; never stored.
+    q_pos = prefix_len + rows
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_mask = dims < HEAD_DIM
+    q_mask = row_mask[:, None] & dim_mask[None, :]
+    q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :],
+                mask=q_mask, other=0.0).to(DOT_DTYPE)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    table_row = block_tables_ptr + seq.to(tl.int64) * stride_bts
+    kv_head_off = (head // GROUP_SIZE) * stride_kvh + dims
+    kv_end = tl.minimum(seq_len, prefix_len + (m_tile + 1) * BLOCK_M)
+    for start in range(0, kv_end, BLOCK_N):
+        tokens = start + tl.arange(0, BLOCK_N)
+        token_mask = tokens < kv_end
+        # Table entries past the sequence's last block are padding: masked, never dereferenced.
+        block_ids = tl.load(table_row + tokens // BLOCK_SIZE, mask=token_mask, other=0)
+        row_off = block_ids.to(tl.int64) * stride_kvb + (tokens % BLOCK_SIZE) * stride_kvt
+        kv_off = row_off[:, None] + kv_head_off[None, :]
+        kv_mask = token_mask[:, None] & dim_mask[None, :]
+        k = tl.load(kv_ptr + kv_off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+        v = tl.load(kv_ptr + stride_kvkv + kv_off, mask=kv_mask, other=0.0).to(DOT_DTYPE)
+
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale
+        causal = token_mask[None, :] & (tokens[None, :] <= q_pos[:, None])
+        scores = tl.where(causal, scores, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision="ieee")
+        m_i = m_new
+
+    out = acc / l_i[:, None]
+    out_off = (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :]
+    tl.store(out_ptr + out_off, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def _launch_prefill(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> None:
+    """Grid ``(cdiv(num_tokens, BLOCK_M) + num_seqs, num_heads)``: an upper bound on the total
+    number of query tiles (each chunk wastes at most one partial tile), known without a sync."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_seqs = seq_lens.shape[0]
+    block_m = min(_BLOCK_M, max(next_pow2(num_tokens), 16))
+    chunk_lens = query_start_loc[1:] - query_start_loc[:-1]
+    tile_start_loc = torch.zeros(num_seqs + 1, dtype=torch.int32, device=query.device)
+    tile_start_loc[1:] = torch.cumsum(
+        torch.div(chunk_lens + block_m - 1, block_m, rounding_mode="floor"), 0
+    )
+    grid = (triton.cdiv(num_tokens, block_m) + num_seqs, num_heads)
+    _prefill_kernel[grid](
+        out, query, kv_cache, block_tables, query_start_loc, seq_lens, tile_start_loc,
+        num_seqs, scale * _LOG2E,
+        query.stride(0), query.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3),
+        block_tables.stride(0), out.stride(0), out.stride(1),
+        GROUP_SIZE=num_heads // kv_cache.shape[3],
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=max(next_pow2(head_dim), 16),
+        BLOCK_SIZE=kv_cache.shape[2], BLOCK_M=block_m, BLOCK_N=_BLOCK_N,
+        DOT_DTYPE=dot_dtype(query.dtype),
+        num_warps=4, num_stages=2 if query.dtype == torch.float32 else 3,
+    )
+
+
+def triton_prefill_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Triton varlen causal paged prefill with the contract of
+    :func:`reference_prefill_attention`.
+
+    Rows of ``query`` not covered by ``query_start_loc`` are left unwritten (as in the reference,
+    whose output starts from ``torch.empty``).
+    """
+    check_attention_inputs("prefill", query, kv_cache, block_tables)
+    check_index("prefill", "query_start_loc", query_start_loc, 1, query.device)
+    check_index("prefill", "seq_lens", seq_lens, 1, query.device)
+    num_seqs = seq_lens.shape[0]
+    if query_start_loc.shape[0] != num_seqs + 1 or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"prefill: {num_seqs} sequences need query_start_loc [{num_seqs + 1}] "
+                         f"and block_tables [{num_seqs}, *], got {list(query_start_loc.shape)} "
+                         f"and {list(block_tables.shape)}")
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if num_seqs > 0 and query.shape[0] > 0:
+        _launch_prefill(out, query, kv_cache, block_tables, query_start_loc, seq_lens, scale)
+    return out

@@ -188,10 +188,10 @@ class AsyncEngine:
             try:
                 self._drain_commands(block=not engine.has_unfinished_requests())
                 engine.expire_pins()
-                if engine.has_unfinished_requests():
-                    for delta in engine.step():
-                        self._post(delta.request_id, delta)
-                self._stats = engine.stats()
+                deltas = engine.step() if engine.has_unfinished_requests() else []
+                self._stats = engine.stats()  # before posting: a finished client sees its request
+                for delta in deltas:
+                    self._post(delta.request_id, delta)
             except Exception as exc:  # a broken step must not wedge the clients
                 logger.exception("engine step failed; aborting in-flight requests")
                 self._fail_all(exc)

@@ -70,6 +70,8 @@ def eos_token_ids(hf_config, tokenizer, files: ModelFiles) -> list[int]:
 
 
 def load_model(config: EngineConfig) -> LoadedModel:
+    if config.num_threads is not None:
+        torch.set_num_threads(config.num_threads)
     files = resolve_model(config.model)
     hf_config = load_config(files)
     tokenizer = load_tokenizer(files)

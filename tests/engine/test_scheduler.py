@@ -1,0 +1,316 @@
+"""Scheduler with a real KVCacheManager and a fake runner: exact steps, blocks and preemptions.
+
+The fake runner is plain Python: each step it returns one fixed next token per sampling request.
+Every step goes through ``run_step``, which checks the token budget, ``max_num_seqs`` and the
+pool's integrity, so each test also holds those invariants at every step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from agentd.cache import KVCacheManager
+from agentd.request import Request, RequestStatus
+from agentd.sampling_params import SamplingParams
+from agentd.scheduler import Scheduler, SchedulerOutput
+
+BLOCK_SIZE = 4
+EOS = 2
+
+
+@dataclass
+class FakeRunner:
+    """Returns ``next_token[request_id]`` for every row that samples; counts what ran."""
+
+    next_token: dict[str, int] = field(default_factory=dict)
+    num_tokens: int = 0
+
+    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+        self.num_tokens += out.num_batched_tokens
+        return {s.request_id: self.next_token.get(s.request_id, 7) for s in out.scheduled
+                if s.sample}
+
+
+@dataclass
+class Harness:
+    scheduler: Scheduler
+    runner: FakeRunner
+    budget: int
+    max_num_seqs: int
+
+    @property
+    def kv_cache(self) -> KVCacheManager:
+        return self.scheduler.kv_cache
+
+    def add(self, request_id: str, prompt: list[int], max_tokens: int = 16,
+            next_token: int = 7, **params) -> Request:
+        request = Request(request_id, prompt, SamplingParams(max_tokens=max_tokens, **params),
+                          max_output_tokens=max_tokens)
+        self.runner.next_token[request_id] = next_token
+        self.scheduler.add_request(request)
+        return request
+
+    def step(self) -> SchedulerOutput:
+        out = self.scheduler.schedule()
+        assert out.num_batched_tokens <= self.budget
+        assert len(out.scheduled) <= self.max_num_seqs
+        assert len(self.scheduler.running) <= self.max_num_seqs
+        self.scheduler.update_from_output(out, self.runner.execute(out))
+        self.kv_cache.pool.check_integrity()
+        return out
+
+    def run_to_end(self, max_steps: int = 200) -> list[SchedulerOutput]:
+        outs = []
+        while self.scheduler.has_unfinished():
+            outs.append(self.step())
+            assert len(outs) < max_steps, "the scheduler does not make progress"
+        return outs
+
+    def assert_pool_empty(self) -> None:
+        pool = self.kv_cache.pool
+        assert pool.num_free == pool.num_blocks
+        assert all(pool.ref_cnt(i) == 0 for i in range(pool.num_blocks))
+        pool.check_integrity()
+
+
+def make(num_blocks: int = 64, max_num_seqs: int = 8, budget: int = 64,
+         max_model_len: int = 256) -> Harness:
+    kv_cache = KVCacheManager(num_blocks, BLOCK_SIZE)
+    scheduler = Scheduler(kv_cache, max_num_seqs, budget, max_model_len, eos_token_ids=[EOS])
+    return Harness(scheduler, FakeRunner(), budget, max_num_seqs)
+
+
+def rows(out: SchedulerOutput) -> list[tuple[str, int, int, bool]]:
+    """(request id, start position, number of tokens, samples) per scheduled row."""
+    return [(s.request_id, s.start_position, len(s.token_ids), s.sample) for s in out.scheduled]
+
+
+def prompt(start: int, num_tokens: int) -> list[int]:
+    return list(range(start, start + num_tokens))
+
+
+def test_token_budget_and_max_num_seqs_bound_every_step() -> None:
+    h = make(budget=10, max_num_seqs=2)
+    a = h.add("a", prompt(100, 6), max_tokens=3, next_token=11)
+    b = h.add("b", prompt(200, 6), max_tokens=3, next_token=12)
+    c = h.add("c", prompt(300, 6), max_tokens=1, next_token=13)
+
+    out = h.step()  # a takes 6 of the 10 tokens, b the remaining 4; c waits for a seat
+    assert rows(out) == [("a", 0, 6, True), ("b", 0, 4, False)]
+    assert out.scheduled[0].token_ids == prompt(100, 6)
+    assert out.scheduled[1].token_ids == prompt(200, 4)
+    assert out.scheduled[0].block_table == [0, 1] and out.scheduled[1].block_table == [2]
+    assert [r.request_id for r in h.scheduler.waiting] == ["c"]
+
+    out = h.step()  # budget left after these two is 7, but both seats are taken
+    assert rows(out) == [("a", 6, 1, True), ("b", 4, 2, True)]
+    assert out.scheduled[1].block_table == [2, 3]
+    assert h.scheduler.num_waiting == 1
+
+    out = h.step()
+    assert rows(out) == [("a", 7, 1, True), ("b", 6, 1, True)]
+    assert a.status is RequestStatus.FINISHED_LENGTH and a.output_token_ids == [11, 11, 11]
+
+    out = h.step()  # a's seat is free: c is admitted beside b's last decode
+    assert rows(out) == [("b", 7, 1, True), ("c", 0, 6, True)]
+    assert b.output_token_ids == [12, 12, 12] and c.output_token_ids == [13]
+    assert not h.scheduler.has_unfinished()
+    assert h.runner.num_tokens == 6 + 4 + 1 + 2 + 1 + 1 + 1 + 6
+    h.assert_pool_empty()
+
+
+def test_chunked_prefill_splits_a_long_prompt_beside_decode_rows() -> None:
+    h = make(budget=8)
+    long_prompt = prompt(500, 20)
+    h.add("short", prompt(100, 4), max_tokens=6)
+    long = h.add("long", long_prompt, max_tokens=2)
+
+    outs = [h.step() for _ in range(5)]
+    assert [rows(out) for out in outs] == [
+        [("short", 0, 4, True), ("long", 0, 4, False)],
+        [("short", 4, 1, True), ("long", 4, 7, False)],
+        [("short", 5, 1, True), ("long", 11, 7, False)],
+        [("short", 6, 1, True), ("long", 18, 2, True)],
+        [("short", 7, 1, True), ("long", 20, 1, True)],
+    ]
+    chunks = [s.token_ids for out in outs[:4] for s in out.scheduled if s.request_id == "long"]
+    assert [t for chunk in chunks for t in chunk] == long_prompt
+    assert long.status is RequestStatus.FINISHED_LENGTH
+    # Full blocks are registered as chunks complete: the whole prompt is a hit now.
+    assert h.kv_cache.find_cached_prefix(long_prompt).num_tokens == 20
+    h.run_to_end()
+    h.assert_pool_empty()
+
+
+def test_chunk_boundaries_register_blocks_as_they_fill() -> None:
+    h = make(budget=8)
+    long_prompt = prompt(500, 20)
+    h.add("long", long_prompt, max_tokens=1)
+    h.step()
+    assert h.kv_cache.find_cached_prefix(long_prompt).num_tokens == 8
+    h.step()
+    assert h.kv_cache.find_cached_prefix(long_prompt).num_tokens == 16
+    h.run_to_end()
+    h.assert_pool_empty()
+
+
+def test_newest_request_is_preempted_then_recomputed_mostly_from_cache() -> None:
+    h = make(num_blocks=6, budget=64)
+    a = h.add("a", prompt(100, 8), max_tokens=8, next_token=11)
+    b = h.add("b", prompt(200, 8), max_tokens=8, next_token=12)
+
+    assert rows(h.step()) == [("a", 0, 8, True), ("b", 0, 8, True)]
+    for position in (8, 9, 10, 11):  # both grow into their third block (ids 4 and 5)
+        assert rows(h.step()) == [("a", position, 1, True), ("b", position, 1, True)]
+    assert h.kv_cache.block_table("a") == [0, 1, 4] and h.kv_cache.block_table("b") == [2, 3, 5]
+    assert h.kv_cache.num_free_blocks == 0
+
+    out = h.step()  # a needs a fourth block: b, the newest, is preempted and a takes its last
+    assert rows(out) == [("a", 12, 1, True)] and out.preempted_ids == ["b"]
+    assert b.status is RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+    assert not h.kv_cache.has_request("b") and list(h.scheduler.waiting) == [b]
+    assert h.kv_cache.block_table("a") == [0, 1, 4, 5]
+    assert h.kv_cache.pool.free_block_ids() == [3, 2]  # b's cached prompt blocks, LRU order
+    assert h.scheduler.stats.num_preemptions == 1 and b.num_preemptions == 1
+    assert b.output_token_ids == [12] * 5  # what it generated is kept
+
+    # b cannot come back while a holds the pool (it needs 4 blocks, 2 are free).
+    assert rows(h.step()) == [("a", 13, 1, True)]
+    assert rows(h.step()) == [("a", 14, 1, True)]
+    assert a.status is RequestStatus.FINISHED_LENGTH and a.output_token_ids == [11] * 8
+
+    out = h.step()  # b is recomputed: its two prompt blocks hit, only the rest runs
+    assert rows(out) == [("b", 8, 5, True)]
+    assert out.scheduled[0].token_ids == [12] * 5
+    assert out.scheduled[0].block_table[:2] == [2, 3]
+    assert b.num_cached_tokens == 0  # reported once, at first admission
+    h.run_to_end()
+    assert b.status is RequestStatus.FINISHED_LENGTH and b.output_token_ids == [12] * 8
+    h.assert_pool_empty()
+
+
+def test_preemption_under_heavy_pressure_always_finishes() -> None:
+    h = make(num_blocks=10, budget=16, max_num_seqs=4)
+    requests = [h.add(f"r{i}", prompt(1000 * (i + 1), 5 + 3 * i), max_tokens=10, next_token=20 + i)
+                for i in range(6)]
+    outs = h.run_to_end()
+    assert h.scheduler.stats.num_preemptions > 0
+    assert any(out.preempted_ids for out in outs)
+    for i, request in enumerate(requests):
+        assert request.status is RequestStatus.FINISHED_LENGTH
+        assert request.output_token_ids == [20 + i] * 10
+    h.assert_pool_empty()
+
+
+@pytest.mark.parametrize("num_tokens", [32, 40])
+def test_prompt_of_max_model_len_or_more_is_refused_naming_both_numbers(num_tokens: int) -> None:
+    h = make(max_model_len=32)
+    with pytest.raises(ValueError, match=rf"{num_tokens} tokens.*is 32 tokens"):
+        h.add("x", prompt(0, num_tokens))
+    with pytest.raises(ValueError, match="empty"):
+        h.add("y", [])
+    assert not h.scheduler.has_unfinished() and h.scheduler.requests == {}
+
+
+def test_request_that_can_never_fit_finishes_with_length_at_admission() -> None:
+    h = make(num_blocks=4, budget=64)  # the pool holds 16 tokens
+    request = h.add("big", prompt(0, 20))
+    out = h.step()
+    assert out.empty and out.failed_ids == ["big"]
+    assert request.status is RequestStatus.FINISHED_LENGTH
+    assert not h.scheduler.has_unfinished()
+    h.assert_pool_empty()
+
+
+def test_request_that_outgrows_the_pool_mid_prefill_finishes_with_length() -> None:
+    h = make(num_blocks=4, budget=8)
+    request = h.add("big", prompt(0, 20))
+    assert rows(h.step()) == [("big", 0, 8, False)]
+    assert rows(h.step()) == [("big", 8, 8, False)]
+    out = h.step()
+    assert out.empty and out.failed_ids == ["big"]
+    assert request.status is RequestStatus.FINISHED_LENGTH
+    assert not h.scheduler.has_unfinished()
+    h.assert_pool_empty()
+
+
+def test_request_waits_behind_runners_then_fails_when_alone() -> None:
+    h = make(num_blocks=4, budget=64)
+    small = h.add("small", prompt(0, 3), max_tokens=2)
+    big = h.add("big", prompt(100, 20))
+    assert rows(h.step()) == [("small", 0, 3, True)]  # big does not fit beside small: it waits
+    assert big.status is RequestStatus.WAITING
+    assert rows(h.step()) == [("small", 3, 1, True)]
+    out = h.step()
+    assert out.failed_ids == ["big"] and big.status is RequestStatus.FINISHED_LENGTH
+    assert small.status is RequestStatus.FINISHED_LENGTH
+    h.assert_pool_empty()
+
+
+@pytest.mark.parametrize("pinned", [True, False])
+def test_pin_survives_eviction_pressure_that_evicts_an_equally_old_prefix(pinned: bool) -> None:
+    h = make(num_blocks=8, budget=64)
+    prompt_a, prompt_b = prompt(100, 9), prompt(200, 9)
+    h.add("a", prompt_a, max_tokens=1)
+    h.add("b", prompt_b, max_tokens=1)
+    assert rows(h.step()) == [("a", 0, 9, True), ("b", 0, 9, True)]  # both end in this step
+    # Partial blocks 2 and 5 went to the head, the cached ones to the tail, a's before b's.
+    assert h.kv_cache.pool.free_block_ids() == [5, 2, 6, 7, 1, 0, 4, 3]
+
+    pin = h.kv_cache.find_cached_prefix(prompt_a).block_ids
+    assert pin == [0, 1]
+    if pinned:
+        h.kv_cache.touch(pin)
+        assert [h.kv_cache.pool.ref_cnt(i) for i in pin] == [1, 1]
+        h.kv_cache.pool.check_integrity()
+
+    h.add("pressure", prompt(900, 23), max_tokens=1)  # 6 blocks: evicts the 6 oldest free ones
+    out = h.step()
+    # It takes the free queue's head: the pinned blocks 0 and 1 are not in it.
+    assert out.scheduled[0].block_table == ([5, 2, 6, 7, 4, 3] if pinned else [5, 2, 6, 7, 1, 0])
+    lookup_a = h.kv_cache.find_cached_prefix(prompt_a)
+    lookup_b = h.kv_cache.find_cached_prefix(prompt_b)
+    if pinned:
+        assert lookup_a.block_ids == [0, 1] and lookup_b.block_ids == []
+        assert [h.kv_cache.pool.ref_cnt(i) for i in pin] == [1, 1]
+        h.kv_cache.free_blocks(pin)  # unpin
+    else:
+        assert lookup_a.block_ids == [] and lookup_b.block_ids == [3, 4]
+
+    # A later request with the pinned prompt hits it (or, unpinned, recomputes it).
+    again = h.add("again", prompt_a + [42, 43], max_tokens=1)
+    out = h.step()
+    assert again.num_cached_tokens == (8 if pinned else 0)
+    assert rows(out) == [("again", 8 if pinned else 0, 3 if pinned else 11, True)]
+    h.run_to_end()
+    h.assert_pool_empty()
+
+
+def test_eos_and_stop_token_ids_finish_with_stop() -> None:
+    h = make()
+    eos = h.add("eos", prompt(100, 5), next_token=EOS)
+    ignored = h.add("ignored", prompt(200, 5), max_tokens=3, next_token=EOS, ignore_eos=True)
+    stopped = h.add("stopped", prompt(300, 5), next_token=99, stop_token_ids=[99])
+    h.run_to_end()
+    assert eos.status is RequestStatus.FINISHED_STOPPED and eos.output_token_ids == [EOS]
+    assert ignored.status is RequestStatus.FINISHED_LENGTH
+    assert ignored.output_token_ids == [EOS] * 3
+    assert stopped.status is RequestStatus.FINISHED_STOPPED and stopped.stop_reason == 99
+    h.assert_pool_empty()
+
+
+def test_finish_request_from_outside_frees_blocks_and_ignores_its_step_result() -> None:
+    h = make()
+    a = h.add("a", prompt(100, 10), max_tokens=4)
+    b = h.add("b", prompt(200, 10), max_tokens=4)
+    out = h.scheduler.schedule()
+    assert h.scheduler.finish_request("a", RequestStatus.FINISHED_ABORTED) is a
+    assert not h.kv_cache.has_request("a")
+    h.scheduler.update_from_output(out, h.runner.execute(out))  # a's row is dropped
+    assert a.output_token_ids == [] and a.status is RequestStatus.FINISHED_ABORTED
+    assert b.output_token_ids == [7]
+    assert h.scheduler.finish_request("a", RequestStatus.FINISHED_ABORTED) is None
+    h.run_to_end()
+    h.assert_pool_empty()

@@ -1,0 +1,111 @@
+"""The default model (SmolLM2-135M-Instruct) end to end: greedy equals transformers, and a
+2,000-token cached prefix is served from the pool so that only the new tokens run."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from importlib import resources
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from agentd.engine import LLMEngine
+from agentd.llm import LLM
+from agentd.sampling_params import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+CHATS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You are a concise assistant."},
+     {"role": "user", "content": "Write a Python function that reverses a string."}],
+    [{"role": "user", "content": "Give me three tips for writing clear commit messages."}],
+]
+NUM_CHAT_TOKENS = 24
+PREFIX_LEN = 2000  # 125 whole blocks of 16
+TAIL_LEN = 30
+NUM_LONG_TOKENS = 4
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(kv_cache_memory="160MiB", device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def hf_model(default_model_dir: Path):
+    return transformers.AutoModelForCausalLM.from_pretrained(default_model_dir,
+                                                             dtype=torch.float32).eval()
+
+
+def test_greedy_chat_completions_equal_transformers_generate(llm: LLM, hf_model) -> None:
+    tokenizer = llm.tokenizer
+    prompts = [tokenizer(tokenizer.apply_chat_template(chat, tokenize=False,
+                                                        add_generation_prompt=True),
+                         add_special_tokens=False).input_ids for chat in CHATS]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=NUM_CHAT_TOKENS))
+    for prompt, out in zip(prompts, outputs, strict=True):
+        with torch.no_grad():
+            generated = hf_model.generate(torch.tensor([prompt]), do_sample=False,
+                                          max_new_tokens=NUM_CHAT_TOKENS)
+        expected = generated[0, len(prompt):].tolist()
+        assert out.token_ids == expected, tokenizer.decode(expected)
+        assert out.text.strip()  # an instruct model answers in words
+    assert llm.engine.stats().num_blocks_used == 0
+
+
+def long_prompts(tokenizer) -> tuple[list[int], list[int]]:
+    """Two prompts that share their first 2,000 tokens (agent system prompt) and then differ."""
+    workload = json.loads(
+        resources.files("agentd.workloads").joinpath("coding_agent.json").read_text()
+    )
+    ids = tokenizer(workload["system"] + "\n\n" + "\n".join(workload["turns"])).input_ids
+    assert len(ids) >= PREFIX_LEN + TAIL_LEN
+    first = ids[:PREFIX_LEN + TAIL_LEN]
+    turn = tokenizer("\n\n" + workload["turns"][-1]).input_ids[:TAIL_LEN]
+    assert len(turn) == TAIL_LEN and turn[0] != first[PREFIX_LEN]
+    return first, ids[:PREFIX_LEN] + turn
+
+
+def test_cached_2000_token_prefix_runs_only_the_remaining_tokens(llm: LLM) -> None:
+    engine = llm.engine
+    first, second = long_prompts(llm.tokenizer)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_LONG_TOKENS, ignore_eos=True)
+    cold = llm.generate([first], params)[0]
+    assert cold.num_cached_tokens == 0
+
+    starts: list[tuple[int, int]] = []
+    execute = engine.runner.execute
+
+    def recording_execute(scheduled):
+        starts.extend((s.start_position, len(s.token_ids)) for s in scheduled)
+        return execute(scheduled)
+
+    engine.runner.execute = recording_execute
+    before = engine.stats().num_model_tokens
+    try:
+        warm = llm.generate([second], params)[0]
+    finally:
+        engine.runner.execute = execute
+    processed = engine.stats().num_model_tokens - before
+
+    assert warm.num_cached_tokens >= 1984
+    assert warm.num_cached_tokens == PREFIX_LEN
+    # The prompt's uncached tail, then one token per decode step (the last sample never runs).
+    assert processed == len(second) - warm.num_cached_tokens + NUM_LONG_TOKENS - 1
+    assert starts[0] == (PREFIX_LEN, TAIL_LEN)
+    assert starts[1:] == [(len(second) + i, 1) for i in range(NUM_LONG_TOKENS - 1)]
+
+    # The same prompt on an engine without a prefix cache (same weights) gives the same tokens.
+    config = dataclasses.replace(engine.config, enable_prefix_caching=False)
+    uncached = LLMEngine(config, loaded=engine.loaded)
+    uncached.add_request(second, params)
+    token_ids: list[int] = []
+    while uncached.has_unfinished_requests():
+        for delta in uncached.step():
+            token_ids.extend(delta.token_ids)
+    assert uncached.stats().num_model_tokens == len(second) + NUM_LONG_TOKENS - 1
+    assert token_ids == warm.token_ids

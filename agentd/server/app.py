@@ -1,0 +1,73 @@
+"""The Litestar application: routes, error handlers, OpenAPI, and the engine's lifespan.
+
+Invariant: ``create_app`` has no side effects; the engine is loaded (in a background thread, so
+``/health`` can answer 503 meanwhile) and started when the app's lifespan begins, and the engine
+the app loaded is shut down when it ends. Everything per-app (state, metrics registry) hangs off
+``app.state.agentd``, so several apps can live in one process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
+
+from litestar import Litestar
+from litestar.datastructures import State
+from litestar.openapi import OpenAPIConfig
+from litestar.openapi.plugins import ScalarRenderPlugin
+
+from agentd import __version__
+from agentd.config import EngineConfig
+from agentd.server.errors import EXCEPTION_HANDLERS
+from agentd.server.routes_admin import AdminController, health, metrics
+from agentd.server.routes_openai import OpenAIController
+from agentd.server.state import ServerSettings, ServerState
+
+if TYPE_CHECKING:
+    from agentd.async_engine import AsyncEngine
+
+__all__ = ["ServerSettings", "create_app"]
+
+
+def create_app(config: EngineConfig, *, engine: AsyncEngine | None = None,
+               settings: ServerSettings | None = None,
+               request_exit: Callable[[int], None] | None = None) -> Litestar:
+    """Build the OpenAI-compatible app.
+
+    Args:
+        config: the engine configuration (used to load the engine when ``engine`` is None).
+        engine: an already-built engine; the app starts it but leaves shutting it down to the
+            caller.
+        settings: HTTP-side settings (API keys, body size limit, shutdown grace).
+        request_exit: called with an exit status when the server should stop: 0 after
+            ``POST /admin/shutdown``, 1 when the model fails to load. ``agentd start`` passes
+            one that tells uvicorn to exit.
+    Returns:
+        The Litestar app.
+    """
+    settings = settings or ServerSettings()
+    server = ServerState(config, settings, engine, request_exit)
+
+    @asynccontextmanager
+    async def lifespan(_: Litestar) -> AsyncIterator[None]:
+        server.begin()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(server.close)
+
+    return Litestar(
+        route_handlers=[OpenAIController, AdminController, health, metrics],
+        exception_handlers=EXCEPTION_HANDLERS,
+        lifespan=[lifespan],
+        state=State({"agentd": server}),
+        request_max_body_size=settings.max_request_body_bytes,
+        logging_config=None,  # logging belongs to the process (`agentd start`), not the app
+        openapi_config=OpenAPIConfig(
+            title="agentd", version=__version__, path="/docs",
+            description="OpenAI-compatible local inference daemon for agents.",
+            render_plugins=[ScalarRenderPlugin()],
+        ),
+    )

@@ -1,0 +1,105 @@
+"""Prometheus metrics with vLLM's names, in one ``CollectorRegistry`` per app.
+
+Invariant: engine counters and gauges are read from the engine's stats snapshot at scrape time
+(never double-counted by handlers); only what the engine does not know — time to first token and
+end-to-end latency as the client sees them, and finished requests by reason — is recorded by the
+handlers. Two apps in one process never share a registry.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, NamedTuple
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import generate_latest
+
+if TYPE_CHECKING:
+    from agentd.engine import EngineStats
+    from agentd.outputs import StreamDelta
+
+CONTENT_TYPE = "text/plain; version=0.0.4"  # the text format; the server adds the charset
+_LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                      40.0, 80.0, 160.0)
+
+# (name, help, EngineStats field) for counters read from the engine.
+_COUNTERS = (
+    ("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", "prefix_cache_queries"),
+    ("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", "prefix_cache_hits"),
+    ("vllm:prompt_tokens", "Prompt tokens admitted.", "prompt_tokens_total"),
+    ("vllm:generation_tokens", "Generated tokens.", "generation_tokens_total"),
+    ("vllm:num_preemptions", "Preemptions (requests whose blocks were freed to make room).",
+     "num_preemptions"),
+)
+_GAUGES = (
+    ("vllm:num_requests_running", "Requests in the running batch.", "num_requests_running"),
+    ("vllm:num_requests_waiting", "Requests waiting to be admitted.", "num_requests_waiting"),
+    ("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", "kv_cache_usage"),
+)
+
+
+class EngineSnapshot(NamedTuple):
+    model_name: str
+    stats: EngineStats
+
+
+_BLOCK_STATES = (("free", "num_blocks_free"), ("cached", "num_blocks_cached"),
+                 ("used", "num_blocks_used"))
+
+
+class _EngineCollector:
+    """Yields the engine's counters and gauges from the latest stats snapshot."""
+
+    def __init__(self, source: Callable[[], EngineSnapshot | None]) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        snapshot = self._source()
+        if snapshot is None:  # the model is still loading
+            return
+        model_name, stats = snapshot
+        for name, doc, field in _COUNTERS:
+            family = CounterMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([model_name], getattr(stats, field))
+            yield family
+        for name, doc, field in _GAUGES:
+            family = GaugeMetricFamily(name, doc, labels=["model_name"])
+            family.add_metric([model_name], getattr(stats, field))
+            yield family
+        blocks = GaugeMetricFamily("agentd:kv_cache_blocks", "KV blocks by state.",
+                                   labels=["model_name", "state"])
+        for state, field in _BLOCK_STATES:
+            blocks.add_metric([model_name, state], getattr(stats, field))
+        yield blocks
+
+
+class ServerMetrics:
+    """The app's registry: latency histograms fed by handlers, engine stats read at scrape."""
+
+    def __init__(self, source: Callable[[], EngineSnapshot | None]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["model_name"]
+        self.time_to_first_token = Histogram(
+            "vllm:time_to_first_token_seconds", "Time from arrival to the first token.",
+            labels, registry=self.registry, buckets=_LATENCY_BUCKETS_S)
+        self.e2e_request_latency = Histogram(
+            "vllm:e2e_request_latency_seconds", "Time from arrival to the last token.",
+            labels, registry=self.registry, buckets=_LATENCY_BUCKETS_S)
+        self.request_success = Counter(
+            "vllm:request_success", "Finished requests by finish reason.",
+            ["model_name", "finished_reason"], registry=self.registry)
+        self.registry.register(_EngineCollector(source))
+
+    def observe_finished(self, model_name: str, last: StreamDelta, finish_reason: str) -> None:
+        """Record one finished request from its last delta (engine monotonic timestamps)."""
+        if last.first_token_time_s is not None:
+            self.time_to_first_token.labels(model_name).observe(
+                max(last.first_token_time_s - last.arrival_time_s, 0.0))
+        self.e2e_request_latency.labels(model_name).observe(
+            max(time.monotonic() - last.arrival_time_s, 0.0))
+        self.request_success.labels(model_name, finish_reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,64 @@
+"""Operational routes: ``/health``, ``/v1/stats``, ``/metrics`` and ``/admin/shutdown``.
+
+Invariant: none of these waits on the engine thread — they read the engine's latest stats
+snapshot — so monitoring answers at once even while a long prefill is running. ``/health`` is
+503 until the model is loaded (and after a failed load), 200 once requests can be served.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from litestar import Controller, Response, get, post
+from litestar.datastructures import State
+
+from agentd import __version__
+from agentd.server.metrics import CONTENT_TYPE
+from agentd.server.state import require_api_key, server_of
+
+
+@get("/health", summary="Readiness: 200 when the model is loaded, 503 before",
+     tags=["Admin"], sync_to_thread=False)
+def health(state: State) -> Response[dict[str, Any]]:
+    server = server_of(state)
+    body: dict[str, Any] = {"status": server.status, "pid": server.pid, "version": __version__}
+    engine = server.engine
+    if engine is not None:
+        body["model"] = engine.model_name
+    if server.load_error is not None:
+        body["error"] = server.load_error
+    return Response(body, status_code=200 if server.status == "ready" else 503)
+
+
+@get("/metrics", summary="Prometheus metrics (vLLM names)", tags=["Admin"], sync_to_thread=False)
+def metrics(state: State) -> Response[bytes]:
+    server = server_of(state)
+    return Response(server.metrics.render(), media_type=CONTENT_TYPE)
+
+
+class AdminController(Controller):
+    guards = [require_api_key]
+    tags = ["Admin"]
+
+    @get("/v1/stats", summary="Engine and pool statistics", sync_to_thread=False)
+    def stats(self, state: State) -> dict[str, Any]:
+        server = server_of(state)
+        engine = server.require_engine()
+        return {
+            "model": engine.model_name,
+            "max_model_len": engine.max_model_len,
+            "uptime_s": round(server.uptime_s, 3),
+            "pid": server.pid,
+            "version": __version__,
+            **dataclasses.asdict(engine.stats()),
+        }
+
+    @post("/admin/shutdown", status_code=202, summary="Stop the daemon gracefully",
+          sync_to_thread=False)
+    def shutdown(self, state: State) -> dict[str, Any]:
+        """In-flight requests get the grace period to finish; the rest are aborted."""
+        server = server_of(state)
+        server.begin_shutdown()
+        return {"status": "stopping", "pid": server.pid,
+                "grace_s": server.settings.shutdown_grace_s}

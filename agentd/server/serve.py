@@ -1,0 +1,65 @@
+"""Run the app under uvicorn on a socket the caller has already bound.
+
+Invariants: the listening socket exists before the model starts loading, so a port in use fails
+at once and ``/health`` answers (503) during the load; the return value is the process's exit
+status: 0 after ``POST /admin/shutdown`` or SIGINT/SIGTERM, 1 when the model failed to load.
+Stopping gives in-flight requests ``shutdown_grace_s`` to finish, then aborts them.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+
+import uvicorn
+
+from agentd.config import EngineConfig
+from agentd.server.app import create_app
+from agentd.server.state import ServerSettings
+
+logger = logging.getLogger("agentd.server")
+
+
+class _ExitStatus:
+    """Lets the app stop uvicorn (from any thread) and remembers why."""
+
+    def __init__(self) -> None:
+        self.server: uvicorn.Server | None = None
+        self.code = 0
+
+    def __call__(self, code: int) -> None:
+        self.code = max(self.code, code)
+        if self.server is not None:
+            self.server.should_exit = True  # uvicorn polls this flag; safe from any thread
+
+
+def serve(config: EngineConfig, settings: ServerSettings, sock: socket.socket, *,
+          log_level: str = "info", access_log: bool = True) -> int:
+    """Serve until asked to stop; returns the exit status.
+
+    Args:
+        config: the engine configuration; the model is loaded after the server starts.
+        settings: HTTP-side settings.
+        sock: a bound, listening TCP socket.
+        log_level: uvicorn's log level (debug, info, warning, error).
+        access_log: log one line per request.
+    """
+    exit_status = _ExitStatus()
+    app = create_app(config, settings=settings, request_exit=exit_status)
+    uv_config = uvicorn.Config(
+        app, log_level=log_level, access_log=access_log, lifespan="on",
+        timeout_graceful_shutdown=max(int(round(settings.shutdown_grace_s)), 1),
+        timeout_keep_alive=5,
+    )
+    server = uvicorn.Server(uv_config)
+    exit_status.server = server
+    host, port = sock.getsockname()[:2]
+    logger.info("agentd listening on http://%s:%d", _url_host(host), port)
+    server.run(sockets=[sock])
+    if not server.started and exit_status.code == 0:
+        return 1
+    return exit_status.code
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host

@@ -1,0 +1,127 @@
+"""Helpers shared by the completion handlers: submitting to the engine, collecting a whole reply,
+watching for a client that goes away, and Server-Sent Events framing.
+
+Invariant: an engine stream is always either read to its last delta or closed, and closing it
+aborts the request (``AsyncEngine`` frees its blocks), so a client that disconnects — streaming
+or not — never leaves work behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import msgspec
+from litestar import Request
+from litestar.response import Stream
+
+from agentd.async_engine import AsyncEngine, EngineDeadError
+from agentd.outputs import StreamDelta
+from agentd.sampling_params import SamplingParams
+from agentd.server.errors import APIError
+from agentd.server.protocol import Usage, error_body
+
+T = TypeVar("T")
+SSE_DONE = b"data: [DONE]\n\n"
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_encoder = msgspec.json.Encoder()
+
+
+def new_request_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def submit(engine: AsyncEngine, prompt_token_ids: list[int], params: SamplingParams,
+           request_id: str, cache_salt: str | None) -> AsyncIterator[StreamDelta]:
+    """Queue the request; the engine's at-once rejections become OpenAI errors."""
+    try:
+        return engine.add_request(prompt_token_ids, params, request_id, cache_salt)
+    except EngineDeadError as exc:
+        raise APIError(503, str(exc)) from exc
+    except ValueError as exc:
+        raise APIError(400, str(exc)) from exc
+
+
+def delta_error(delta: StreamDelta) -> APIError:
+    """The engine finished ``delta``'s request with an error (it can never fit in the pool)."""
+    return APIError(413, f"{delta.error}; shorten the prompt or raise --kv-cache-memory",
+                    code="context_length_exceeded")
+
+
+def exception_error(exc: BaseException) -> APIError:
+    if isinstance(exc, ValueError):
+        return APIError(400, str(exc))
+    return APIError(500, f"the engine failed the request: {exc}")
+
+
+@dataclass
+class Collected:
+    text: str
+    last: StreamDelta
+
+
+async def collect(deltas: AsyncIterator[StreamDelta]) -> Collected:
+    """Read a request to its end: the whole text and the last delta (usage, finish reason)."""
+    pieces: list[str] = []
+    last: StreamDelta | None = None
+    try:
+        async for delta in deltas:
+            pieces.append(delta.text)
+            last = delta
+    except (ValueError, RuntimeError) as exc:
+        raise exception_error(exc) from exc
+    assert last is not None  # the engine always ends a stream with a finished delta
+    if last.error is not None:
+        raise delta_error(last)
+    return Collected("".join(pieces), last)
+
+
+async def until_disconnect(request: Request[Any, Any, Any], work: Awaitable[T]) -> T:
+    """Await ``work`` unless the client disconnects first; then cancel it (aborting the request).
+
+    The body has been read already, so the next ASGI message is ``http.disconnect``.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+    if task.cancelled():
+        raise APIError(499, "the client closed the connection", code="client_closed_request")
+    return task.result()
+
+
+async def _wait_disconnect(request: Request[Any, Any, Any]) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def usage_of(last: StreamDelta) -> Usage:
+    return Usage.build(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
+
+
+def sse(obj: Any) -> bytes:
+    """One Server-Sent Event carrying ``obj`` as JSON."""
+    return b"data: " + _encoder.encode(obj) + b"\n\n"
+
+
+def sse_error(error: APIError) -> bytes:
+    return sse(error_body(error.message, type=error.type, param=error.param, code=error.code))
+
+
+class EventStream(Stream):
+    """A ``text/event-stream`` response, whatever media type the handler declares for JSON."""
+
+    def to_asgi_response(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs["media_type"] = "text/event-stream"
+        return super().to_asgi_response(*args, **kwargs)
+
+
+def event_stream(events: AsyncIterator[bytes]) -> EventStream:
+    return EventStream(events, headers=_SSE_HEADERS)

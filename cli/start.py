@@ -1,0 +1,190 @@
+"""``agentd start``: run the daemon in the foreground, or ``--detach`` it into the background.
+
+Invariants: every engine knob is an option with an ``AGENTD_*`` environment variable, and the
+defaults are ``EngineConfig``'s own; a bad value, a port in use or a missing model fails with one
+line and a non-zero status *before* the model loads; the pid file and daemon.json exist exactly
+while a daemon started with that state directory runs. torch is imported only by the process that
+serves (never by ``--help`` or by the parent of a detached daemon).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from agentd.cli._daemon import bind_listener, detach, display_url
+from agentd.cli._state import StatePaths, state_dir_option
+from agentd.config import EngineConfig, parse_duration, parse_size
+
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+# EngineConfig field -> the option that sets it, for error messages.
+_OPTION_OF = {"kv_cache_memory_bytes": "--kv-cache-memory",
+              "enable_prefix_caching": "--no-prefix-caching"}
+
+
+def _option(name: str, **kwargs: Any) -> Any:
+    envvar = "AGENTD_" + name.lstrip("-").replace("-", "_").upper()
+    return click.option(name, envvar=envvar, show_envvar=True, **kwargs)
+
+
+@click.command(context_settings={"show_default": True})
+@_option("--model", default=None,
+         help="Model directory, .gguf file or hub id [default: SmolLM2-135M-Instruct].")
+@_option("--tokenizer", default=None, help="Tokenizer directory, if not the model's own.")
+@_option("--host", default="127.0.0.1", help="Address to listen on.")
+@_option("--port", default=8000, type=click.IntRange(1, 65535), help="Port to listen on.")
+@click.option("--detach", is_flag=True,
+              help="Run in the background (pid and log in the state dir); return once ready.")
+@state_dir_option
+@_option("--kv-cache-memory", default="512MiB", help="KV block pool size, e.g. 512MiB or 2GiB.")
+@_option("--block-size", default=_DEFAULTS["block_size"], type=int,
+         help="Tokens per KV block (8, 16, 32, 64 or 128).")
+@_option("--max-num-seqs", default=_DEFAULTS["max_num_seqs"], type=int,
+         help="Most requests in one running batch.")
+@_option("--max-num-batched-tokens", default=_DEFAULTS["max_num_batched_tokens"], type=int,
+         help="Token budget of one engine step (prefill chunks + decodes).")
+@_option("--max-model-len", default=None, type=int,
+         help="Context length [default: what the model and pool allow].")
+@_option("--max-pinned-fraction", default=_DEFAULTS["max_pinned_fraction"], type=float,
+         help="Most of the pool that pinned prefixes may hold.")
+@_option("--device", default=_DEFAULTS["device"], metavar="auto|cpu|cuda[:N]",
+         help="Where the model runs.")
+@_option("--dtype", default=_DEFAULTS["dtype"],
+         type=click.Choice(["auto", "float32", "float16", "bfloat16"]), help="Weight dtype.")
+@_option("--attention-backend", default=_DEFAULTS["attention_backend"],
+         type=click.Choice(["auto", "torch", "triton"]), help="Attention kernels.")
+@_option("--no-prefix-caching", is_flag=True, help="Turn prefix (KV) caching off.")
+@_option("--seed", default=_DEFAULTS["seed"], type=int, help="Seed for requests without one.")
+@_option("--num-threads", default=None, type=int, help="CPU threads for torch [default: all].")
+@_option("--api-key", default=None,
+         help="Require 'Authorization: Bearer KEY' on /v1 and /admin routes.")
+@_option("--max-request-body", default="16MiB", help="Largest request body accepted (413).")
+@_option("--shutdown-grace", default="10s",
+         help="How long in-flight requests may run on after a stop before they are aborted.")
+@_option("--log-level", default="info",
+         type=click.Choice(["debug", "info", "warning", "error"]), help="Log verbosity.")
+def command(**params: Any) -> None:
+    """Start the daemon (foreground unless --detach; logs go to stderr).
+
+    Every option can also be set with the environment variable shown beside it.
+    """
+    config = engine_config(params)
+    settings = server_settings(params)
+    check_model(params["model"])
+    host, port = params["host"], params["port"]
+    sock = bind_listener(host, port)  # first: "port in use" is the usual reason to fail
+    paths = StatePaths.of(params["state_dir"])
+    if (pid := paths.live_pid()) is not None and pid != os.getpid():
+        sock.close()
+        raise click.ClickException(
+            f"an agentd daemon (pid {pid}) already uses the state dir {paths.root}; stop it "
+            "with `agentd stop` or pass another --state-dir"
+        )
+    url = display_url(host, port)
+    if params["detach"]:
+        sock.close()  # the daemon binds it again
+        detach(_child_args(params), params["api_key"], paths, url)
+        return
+    _setup_logging(params["log_level"])
+    paths.write_pid(os.getpid())
+    paths.write_daemon_info({"url": url, "pid": os.getpid(), "started": time.time(),
+                             "model": config.model, "log": None})
+    try:
+        from agentd.server.serve import serve
+
+        status = serve(config, settings, sock, log_level=params["log_level"])
+    finally:
+        paths.remove_if_owned(os.getpid())
+    if status:
+        sys.exit(status)
+
+
+def engine_config(params: dict[str, Any]) -> EngineConfig:
+    """Build the engine config; a bad value is one line naming the option."""
+    try:
+        return EngineConfig(
+            model=params["model"], tokenizer=params["tokenizer"], device=params["device"],
+            dtype=params["dtype"], block_size=params["block_size"],
+            kv_cache_memory_bytes=parse_size(params["kv_cache_memory"]),
+            max_num_seqs=params["max_num_seqs"],
+            max_num_batched_tokens=params["max_num_batched_tokens"],
+            max_model_len=params["max_model_len"],
+            enable_prefix_caching=not params["no_prefix_caching"],
+            max_pinned_fraction=params["max_pinned_fraction"],
+            attention_backend=params["attention_backend"], seed=params["seed"],
+            num_threads=params["num_threads"],
+        )
+    except ValueError as exc:
+        raise click.ClickException(
+            f"{_option_names(str(exc))} (see `agentd start --help`)"
+        ) from None
+
+
+def server_settings(params: dict[str, Any]) -> Any:
+    from agentd.server.state import ServerSettings
+
+    try:
+        return ServerSettings(
+            api_keys=(params["api_key"],) if params["api_key"] else (),
+            max_request_body_bytes=parse_size(params["max_request_body"]),
+            shutdown_grace_s=parse_duration(params["shutdown_grace"]),
+        )
+    except ValueError as exc:
+        raise click.ClickException(f"{exc} (see `agentd start --help`)") from None
+
+
+def _option_names(message: str) -> str:
+    for field in _DEFAULTS:
+        option = _OPTION_OF.get(field, "--" + field.replace("_", "-"))
+        message = re.sub(rf"\b{field}\b", option, message)
+    return message
+
+
+def check_model(model: str | None) -> None:
+    """Fail now, in one line, for a local model path that cannot be a model."""
+    if model is None:
+        return
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return
+    if path.exists() or not _HUB_ID.fullmatch(model):
+        from agentd.model.loader import ModelLoadError, resolve_model
+
+        try:
+            resolve_model(model, progress=False)
+        except ModelLoadError as exc:
+            raise click.ClickException(str(exc)) from None
+
+
+def _child_args(params: dict[str, Any]) -> list[str]:
+    """The options of a detached daemon: this command's, without --detach or the API key
+    (that travels in the environment, out of `ps`)."""
+    args: list[str] = []
+    for param in command.params:
+        name = param.name
+        if name in ("detach", "api_key") or not isinstance(param, click.Option):
+            continue
+        value = params[name]
+        if name == "state_dir":
+            value = str(StatePaths.of(value).root)
+        elif name == "model" and value is not None and Path(value).expanduser().exists():
+            value = str(Path(value).expanduser().absolute())
+        if param.is_flag:
+            args += [param.opts[0]] if value else []
+        elif value is not None:
+            args += [param.opts[0], str(value)]
+    return args
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")

@@ -1,0 +1,90 @@
+"""``agentd status``: is a daemon running, and how busy is it.
+
+Invariant: status only reads (``GET /health``, ``/v1/stats``, ``/v1/models``); its exit status is
+0 when a daemon answers (ready or still loading) and 3 when none does (the LSB convention for
+"not running"), so scripts can test it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import click
+
+from agentd.cli._client import DaemonClient, DaemonUnreachable, url_option
+
+NOT_RUNNING = 3
+
+
+@click.command()
+@url_option
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object instead of a table.")
+@click.pass_context
+def command(ctx: click.Context, url: str, as_json: bool) -> None:
+    """Show whether the daemon runs, its model, uptime, pool usage and requests."""
+    client = DaemonClient(url)
+    try:
+        health = client.health()
+    except DaemonUnreachable:
+        if as_json:
+            click.echo(json.dumps({"running": False, "url": client.url}))
+        else:
+            click.echo(f"agentd is not running (nothing at {client.url}); start it with "
+                       "`agentd start`")
+        ctx.exit(NOT_RUNNING)
+    report: dict[str, Any] = {"running": True, "url": client.url, **health}
+    if health.get("status") == "ready":
+        report["stats"] = client.json("GET", "/v1/stats")
+        report["models"] = [m["id"] for m in client.json("GET", "/v1/models")["data"]]
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        _print_table(report)
+
+
+def _print_table(report: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table.grid(padding=(0, 2))
+    table.add_column(style="bold")
+    table.add_column()
+    state = {"ready": "[green]running[/]", "loading": "[yellow]starting (loading the model)[/]",
+             "stopping": "[yellow]stopping[/]"}.get(report["status"], "[red]failed[/]")
+    table.add_row("agentd", f"{state} at {report['url']} (pid {report.get('pid')})")
+    if report.get("error"):
+        table.add_row("error", report["error"])
+    stats = report.get("stats")
+    if stats is not None:
+        _stats_rows(table, stats)
+    Console().print(table)
+
+
+def _stats_rows(table: Any, s: dict[str, Any]) -> None:
+    total = s["num_blocks_total"]
+    table.add_row("model", f"{s['model']} (max_model_len {s['max_model_len']})")
+    table.add_row("uptime", format_duration(s["uptime_s"]))
+    table.add_row("pool", f"{s['num_blocks_used']} / {total} blocks in use "
+                          f"({100 * s['kv_cache_usage']:.1f}%), {s['num_blocks_cached']} cached, "
+                          f"{s['num_blocks_free']} free")
+    table.add_row("requests", f"{s['num_requests_running']} running, "
+                              f"{s['num_requests_waiting']} waiting, "
+                              f"{s['num_requests_finished']} finished")
+    queries, hits = s["prefix_cache_queries"], s["prefix_cache_hits"]
+    rate = f" ({100 * hits / queries:.1f}%)" if queries else ""
+    table.add_row("prefix cache", f"{hits} of {queries} prompt tokens hit{rate}")
+    table.add_row("tokens", f"{s['prompt_tokens_total']} prompt, "
+                            f"{s['generation_tokens_total']} generated")
+
+
+def format_duration(seconds: float) -> str:
+    seconds = int(seconds)
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d {hours}h {minutes:02d}m"
+    if hours:
+        return f"{hours}h {minutes:02d}m {secs:02d}s"
+    return f"{minutes}m {secs:02d}s" if minutes else f"{secs}s"

@@ -1,0 +1,143 @@
+"""The ``agentd`` CLI: help for every command without heavy imports, one-line errors with a
+non-zero status for user mistakes, and the ``start --detach`` / ``status`` / ``stop`` round trip
+against a real daemon process."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+from click.testing import CliRunner, Result
+
+from agentd.cli import COMMANDS, main
+
+
+@pytest.fixture
+def runner(monkeypatch, tmp_path) -> CliRunner:
+    """A runner with no AGENTD_* settings from the caller's environment and its own state dir."""
+    for name in [n for n in os.environ if n.startswith("AGENTD_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AGENTD_HOME", str(tmp_path / "state"))
+    monkeypatch.setenv("AGENTD_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens
+    return CliRunner()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def one_error_line(result: Result) -> str:
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1, result.output
+    assert lines[0].startswith("Error: ")
+    return lines[0]
+
+
+@pytest.mark.parametrize("args", [[], *([name] for name in COMMANDS)])
+def test_help_for_every_command(runner: CliRunner, args: list[str]) -> None:
+    result = runner.invoke(main, [*args, "--help"])
+    assert result.exit_code == 0, result.output
+    assert "Usage:" in result.output
+
+
+def test_help_imports_neither_torch_transformers_nor_litestar() -> None:
+    code = (
+        "import sys\n"
+        "from click.testing import CliRunner\n"
+        "from agentd.cli import COMMANDS, main\n"
+        "for args in [[], *([name] for name in COMMANDS)]:\n"
+        "    assert CliRunner().invoke(main, [*args, '--help']).exit_code == 0\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'litestar') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["--block-size", "7"], "--block-size must be one of"),
+    (["--kv-cache-memory", "lots"], "cannot parse size 'lots'"),
+    (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
+    (["--port", "http"], "Invalid value for '--port'"),
+    (["--bogus"], "No such option '--bogus'"),
+    (["--device", "tpu"], "device must be auto, cpu or cuda"),
+    (["--model", "/no/such/model/dir"], "model not found: /no/such/model/dir"),
+])
+def test_bad_start_options_fail_in_one_line(runner: CliRunner, args: list[str],
+                                            needle: str) -> None:
+    result = runner.invoke(main, ["start", *args])
+    assert result.exit_code != 0
+    assert needle in one_error_line(result)
+
+
+def test_start_on_a_port_in_use_fails_before_loading(runner: CliRunner, tiny_model_factory) -> None:
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        result = runner.invoke(main, ["start", "--port", str(port),
+                                      "--model", str(tiny_model_factory("llama"))])
+    assert result.exit_code == 1
+    line = one_error_line(result)
+    assert f"port {port} on 127.0.0.1 is in use" in line and "agentd status" in line
+
+
+def test_status_and_stop_without_a_daemon(runner: CliRunner) -> None:
+    status = runner.invoke(main, ["status"])
+    assert status.exit_code == 3 and "not running" in status.output
+    as_json = runner.invoke(main, ["status", "--json"])
+    assert as_json.exit_code == 3 and json.loads(as_json.output)["running"] is False
+    stop = runner.invoke(main, ["stop"])
+    assert stop.exit_code == 1
+    assert "no agentd daemon at" in one_error_line(stop)
+
+
+@pytest.fixture
+def detached(runner: CliRunner, monkeypatch, tmp_path, tiny_model_factory) -> Iterator[dict]:
+    """``agentd start --detach`` with a tiny model; stopped (by SIGKILL if need be) afterwards."""
+    port = free_port()
+    state = tmp_path / "state"
+    monkeypatch.setenv("AGENTD_URL", f"http://127.0.0.1:{port}")
+    args = ["start", "--detach", "--port", str(port), "--model",
+            str(tiny_model_factory("llama")), "--kv-cache-memory", "8MiB"]
+    result = runner.invoke(main, args)
+    info = {"port": port, "state": state, "args": args, "result": result}
+    pid_file = state / "agentd.pid"
+    pid = int(pid_file.read_text()) if pid_file.exists() else None
+    yield info
+    if pid is not None:
+        try:
+            os.kill(pid, 9)
+        except ProcessLookupError:
+            pass
+
+
+@pytest.mark.slow
+def test_detach_status_stop_round_trip(runner: CliRunner, detached: dict) -> None:
+    started, state, port = detached["result"], detached["state"], detached["port"]
+    assert started.exit_code == 0, started.output
+    assert f"agentd is ready at http://127.0.0.1:{port}" in started.output
+    pid = int((state / "agentd.pid").read_text())
+    assert (state / "agentd.log").exists()
+    assert json.loads((state / "daemon.json").read_text())["pid"] == pid
+
+    status = runner.invoke(main, ["status"])
+    assert status.exit_code == 0, status.output
+    assert "running" in status.output and "tiny-llama" in status.output
+    report = json.loads(runner.invoke(main, ["status", "--json"]).output)
+    assert report["pid"] == pid and report["stats"]["num_blocks_used"] == 0
+
+    again = runner.invoke(main, detached["args"])
+    assert again.exit_code == 1
+    assert f"port {port} on 127.0.0.1 is in use" in one_error_line(again)
+
+    stop = runner.invoke(main, ["stop"])
+    assert stop.exit_code == 0, stop.output
+    assert f"agentd stopped (pid {pid})" in stop.output
+    assert not (state / "agentd.pid").exists() and not (state / "daemon.json").exists()
+    assert runner.invoke(main, ["status"]).exit_code == 3

@@ -7,7 +7,7 @@ from typing import Protocol
 
 import torch
 
-from agentd.kernels.decode_attention import reference_decode_attention
+from agentd.kernels.decode_attention import torch_decode_attention
 from agentd.kernels.kv_write import reference_write_kv
 from agentd.kernels.prefill_attention import reference_prefill_attention
 
@@ -37,7 +37,7 @@ class AttentionBackend:
 
 
 TORCH_BACKEND = AttentionBackend(
-    "torch", reference_write_kv, reference_decode_attention, reference_prefill_attention
+    "torch", reference_write_kv, torch_decode_attention, reference_prefill_attention
 )
 
 

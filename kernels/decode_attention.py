@@ -73,6 +73,81 @@ def reference_decode_attention(
     return out.squeeze(2)
 
 
+def torch_decode_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The CPU path: :func:`reference_decode_attention`'s contract, shared prefixes read once.
+
+    Agents send the same long prefix, so decode rows often share their leading blocks (a pin, a
+    cached system prompt). Rows are grouped by their first block; each group's common leading
+    blocks are gathered once and scored against all of the group's queries in one batched matmul,
+    and only each row's own tail is gathered per row. One softmax spans both parts.
+    """
+    num_seqs = query.shape[0]
+    if num_seqs == 0:
+        return torch.empty_like(query)
+    tables = block_tables.tolist()
+    lens = seq_lens.tolist()
+    groups: dict[int, list[int]] = {}
+    for i, table in enumerate(tables):
+        groups.setdefault(table[0], []).append(i)
+    out = torch.empty_like(query)
+    for rows in groups.values():
+        index = torch.tensor(rows, device=query.device)
+        result = _grouped_decode(query.index_select(0, index), kv_cache,
+                                 [tables[i] for i in rows], [lens[i] for i in rows], scale)
+        out.index_copy_(0, index, result)
+    return out
+
+
+def _shared_blocks(tables: list[list[int]], lens: list[int], block_size: int) -> int:
+    """Leading blocks common to every table and full in every row."""
+    limit = min(lens) // block_size
+    first = tables[0]
+    num = 0
+    while num < limit and all(t[num] == first[num] for t in tables):
+        num += 1
+    return num
+
+
+def _grouped_decode(query: torch.Tensor, kv_cache: torch.Tensor, tables: list[list[int]],
+                    lens: list[int], scale: float) -> torch.Tensor:
+    num_rows, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
+    group_size = num_heads // num_kv_heads
+    device = query.device
+    q = query.float().view(num_rows, num_kv_heads, group_size, head_dim)
+    num_shared = _shared_blocks(tables, lens, block_size)
+    shared_len = num_shared * block_size
+    shared = kv_cache.index_select(0, torch.tensor(tables[0][:num_shared], device=device,
+                                                   dtype=torch.long))
+    k_shared = shared[:, 0].reshape(shared_len, num_kv_heads, head_dim).float()
+    v_shared = shared[:, 1].reshape(shared_len, num_kv_heads, head_dim).float()
+    scores_shared = torch.einsum("rkgd,lkd->rkgl", q, k_shared)
+    tail_lens = [n - shared_len for n in lens]
+    num_tail_blocks = -(-max(tail_lens) // block_size)
+    tail_len = num_tail_blocks * block_size
+    # Rows are padded with block 0 past their end; the mask below keeps those slots out.
+    tail_ids = [t[num_shared:num_shared + num_tail_blocks] for t in tables]
+    tail_ids = [ids + [0] * (num_tail_blocks - len(ids)) for ids in tail_ids]
+    tail = kv_cache[torch.tensor(tail_ids, device=device, dtype=torch.long)]  # [R,nb,2,B,Hkv,D]
+    k_tail = tail[:, :, 0].reshape(num_rows, tail_len, num_kv_heads, head_dim).float()
+    v_tail = tail[:, :, 1].reshape(num_rows, tail_len, num_kv_heads, head_dim).float()
+    scores_tail = torch.einsum("rkgd,rlkd->rkgl", q, k_tail)
+    valid = torch.arange(tail_len, device=device)[None, :] < torch.tensor(tail_lens,
+                                                                          device=device)[:, None]
+    scores_tail = scores_tail.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(torch.cat([scores_shared, scores_tail], dim=-1) * scale, dim=-1)
+    out = torch.einsum("rkgl,rlkd->rkgd", probs[..., shared_len:], v_tail)
+    if shared_len:
+        out = out + torch.einsum("rkgl,lkd->rkgd", probs[..., :shared_len], v_shared)
+    return out.reshape(num_rows, num_heads, head_dim).to(query.dtype)
+
+
 # ---------------------------------------------------------------------------------------------
 # Triton: split-K paged decode. One program per (sequence, KV head, partition of
 # PARTITION_SIZE tokens); it handles every query head of its GQA group at once so each K/V tile

@@ -1,0 +1,53 @@
+"""The CPU decode path (shared prefixes read once) against the plain reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentd.kernels.decode_attention import reference_decode_attention, torch_decode_attention
+
+
+def build_tables(gen: torch.Generator, num_blocks: int, block_size: int, groups: list[int],
+                 shared_blocks: int) -> tuple[list[list[int]], list[int]]:
+    """Rows in groups that share ``shared_blocks`` leading blocks, each with its own tail."""
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, lens = [], []
+    for group_rows in groups:
+        prefix = [free.pop() for _ in range(shared_blocks)]
+        for _ in range(group_rows):
+            tail_len = int(torch.randint(1, 3 * block_size, (1,), generator=gen))
+            tail = [free.pop() for _ in range(-(-tail_len // block_size))]
+            tables.append(prefix + tail)
+            lens.append(shared_blocks * block_size + tail_len)
+    return tables, lens
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (8, 1)])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("groups,shared_blocks", [([1], 3), ([5], 4), ([3, 1, 4], 2), ([2], 0)])
+def test_grouped_decode_matches_reference(num_heads, num_kv_heads, block_size, groups,
+                                          shared_blocks):
+    gen = torch.Generator().manual_seed(hash((num_heads, block_size, len(groups))) % 2**31)
+    head_dim = 32
+    kv_cache = torch.randn(80, 2, block_size, num_kv_heads, head_dim, generator=gen)
+    tables, lens = build_tables(gen, 80, block_size, groups, shared_blocks)
+    width = max(len(t) for t in tables) + 2
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    query = torch.randn(len(lens), num_heads, head_dim, generator=gen)
+    expected = reference_decode_attention(query, kv_cache, block_tables, seq_lens, 0.17)
+    actual = torch_decode_attention(query, kv_cache, block_tables, seq_lens, 0.17)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_rows_whose_length_ends_on_a_shared_block_boundary():
+    gen = torch.Generator().manual_seed(7)
+    kv_cache = torch.randn(10, 2, 16, 2, 16, generator=gen)
+    block_tables = torch.tensor([[1, 2, 3], [1, 2, 4]], dtype=torch.int32)
+    seq_lens = torch.tensor([32, 40], dtype=torch.int32)  # row 0's last block is shared
+    query = torch.randn(2, 4, 16, generator=gen)
+    torch.testing.assert_close(
+        torch_decode_attention(query, kv_cache, block_tables, seq_lens, 0.25),
+        reference_decode_attention(query, kv_cache, block_tables, seq_lens, 0.25),
+        atol=1e-5, rtol=1e-5)

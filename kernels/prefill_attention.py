@@ -51,14 +51,17 @@ def reference_prefill_attention(
         if num_queries == 0:
             continue
         keys, values = gather_kv(kv_cache, block_tables[i].long(), seq_len)
-        q_pos = torch.arange(seq_len - num_queries, seq_len, device=query.device)
-        k_pos = torch.arange(seq_len, device=query.device)
-        mask = k_pos[None, :] <= q_pos[:, None]  # [q, L]
+        mask = None
+        if num_queries != seq_len:  # a cached prefix: causal with an offset
+            q_pos = torch.arange(seq_len - num_queries, seq_len, device=query.device)
+            k_pos = torch.arange(seq_len, device=query.device)
+            mask = (k_pos[None, :] <= q_pos[:, None])[None, None]  # [1, 1, q, L]
         attn = torch.nn.functional.scaled_dot_product_attention(
             query[start:end].transpose(0, 1).unsqueeze(0),  # [1, H, q, D]
             keys.transpose(0, 1).unsqueeze(0).to(query.dtype),  # [1, Hkv, L, D]
             values.transpose(0, 1).unsqueeze(0).to(query.dtype),
-            attn_mask=mask[None, None],
+            attn_mask=mask,
+            is_causal=mask is None,  # no prefix: plain causal, which skips masked tiles
             scale=scale,
             enable_gqa=True,
         )

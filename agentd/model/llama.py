@@ -114,13 +114,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin() * scaling, persistent=False)
 
     def forward(self, positions: torch.Tensor, *tensors: torch.Tensor) -> list[torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1)
+        # In the activations' dtype, as transformers does (cos/sin are cast, not the inputs).
+        dtype = tensors[0].dtype
+        cos = self.cos[positions].unsqueeze(1).to(dtype)  # [T, 1, D/2]
+        sin = self.sin[positions].unsqueeze(1).to(dtype)
         out = []
         for x in tensors:
-            x1, x2 = x.float().chunk(2, dim=-1)
-            rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-            out.append(rotated.to(x.dtype))
+            x1, x2 = x.chunk(2, dim=-1)
+            out.append(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
         return out
 
 

@@ -1,0 +1,87 @@
+"""What each CPU speed lever buys, measured side by side in one run on the default model.
+
+Rows: decode over a long shared prefix (the agent case) with the plain reference decode attention
+(gathers every row's whole context) vs the grouped path (a shared prefix gathered once); cold
+prefill of a ~2,000-token prompt with masked vs plain-causal attention; float32 vs bfloat16.
+
+    python benchmarks/cpu_levers.py [--batch 8] [--prefix-tokens 2000] [--max-tokens 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from importlib import resources
+
+import torch
+
+from agentd import LLM, SamplingParams
+from agentd.kernels import backend as kernel_backend
+from agentd.kernels.decode_attention import reference_decode_attention
+from agentd.kernels.kv_write import reference_write_kv
+from agentd.kernels.prefill_attention import reference_prefill_attention
+
+REFERENCE = kernel_backend.AttentionBackend(
+    "reference", reference_write_kv, reference_decode_attention, reference_prefill_attention)
+
+
+def prompts(tokenizer, prefix_tokens: int, batch: int) -> tuple[list[int], list[list[int]]]:
+    workload = json.loads(resources.files("agentd.workloads").joinpath("coding_agent.json")
+                          .read_text())
+    prefix = tokenizer(workload["system"]).input_ids[:prefix_tokens]
+    turns = [tokenizer(t).input_ids[:30] for t in workload["turns"][:batch]]
+    return prefix, [prefix + t for t in turns]
+
+
+def decode_tok_s(llm: LLM, batch_prompts: list[list[int]], max_tokens: int) -> float:
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    llm.generate(batch_prompts, SamplingParams(temperature=0, max_tokens=1))  # warm the prefix
+    start = time.perf_counter()
+    llm.generate(batch_prompts, params)
+    return len(batch_prompts) * max_tokens / (time.perf_counter() - start)
+
+
+def cold_ttft_s(llm: LLM, prefix: list[int], repeats: int = 3) -> float:
+    times = []
+    for i in range(repeats):
+        start = time.perf_counter()
+        llm.generate([[1000 + i] + prefix], SamplingParams(temperature=0, max_tokens=1))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--prefix-tokens", type=int, default=2000)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    args = parser.parse_args()
+    rows = []
+    for dtype in ("float32", "bfloat16"):
+        llm = LLM(dtype=dtype, kv_cache_memory="1GiB")
+        prefix, batch = prompts(llm.tokenizer, args.prefix_tokens, args.batch)
+        runner = llm.engine.runner
+        grouped = runner.backend
+        runner.backend = REFERENCE
+        ref_decode = decode_tok_s(llm, batch, args.max_tokens)
+        ref_cold = cold_ttft_s(llm, prefix)
+        runner.backend = grouped
+        new_decode = decode_tok_s(llm, batch, args.max_tokens)
+        new_cold = cold_ttft_s(llm, prefix)
+        rows.append((dtype, ref_decode, new_decode, ref_cold, new_cold))
+        del llm
+    print(f"\nSmolLM2-135M, {torch.get_num_threads()} threads, batch {args.batch}, "
+          f"{args.prefix_tokens}-token shared prefix, {args.max_tokens} output tokens")
+    print(f"{'dtype':9} {'decode ref':>11} {'decode grp':>11} {'ratio':>6} "
+          f"{'cold ref s':>11} {'cold new s':>11} {'ratio':>6}")
+    for dtype, ref_decode, new_decode, ref_cold, new_cold in rows:
+        print(f"{dtype:9} {ref_decode:11.1f} {new_decode:11.1f} {new_decode / ref_decode:6.2f} "
+              f"{ref_cold:11.2f} {new_cold:11.2f} {ref_cold / new_cold:6.2f}")
+    print(f"bfloat16 / float32 decode tok/s: {rows[1][2] / rows[0][2]:.2f}x; "
+          f"cold TTFT: {rows[0][4] / rows[1][4]:.2f}x faster")
+
+
+if __name__ == "__main__":
+    main()

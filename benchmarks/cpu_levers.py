@@ -21,10 +21,27 @@ from agentd import LLM, SamplingParams
 from agentd.kernels import backend as kernel_backend
 from agentd.kernels.decode_attention import reference_decode_attention
 from agentd.kernels.kv_write import reference_write_kv
-from agentd.kernels.prefill_attention import reference_prefill_attention
+from agentd.kernels.prefill_attention import gather_kv
+
+
+def masked_prefill(query, kv_cache, block_tables, query_start_loc, seq_lens, scale):
+    """The first CPU prefill: an explicit causal mask even when there is no cached prefix."""
+    out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        start, end = starts[i], starts[i + 1]
+        keys, values = gather_kv(kv_cache, block_tables[i].long(), seq_len)
+        q_pos = torch.arange(seq_len - (end - start), seq_len)
+        mask = torch.arange(seq_len)[None, :] <= q_pos[:, None]
+        out[start:end] = torch.nn.functional.scaled_dot_product_attention(
+            query[start:end].transpose(0, 1)[None], keys.transpose(0, 1)[None].to(query.dtype),
+            values.transpose(0, 1)[None].to(query.dtype), attn_mask=mask[None, None],
+            scale=scale, enable_gqa=True)[0].transpose(0, 1)
+    return out
+
 
 REFERENCE = kernel_backend.AttentionBackend(
-    "reference", reference_write_kv, reference_decode_attention, reference_prefill_attention)
+    "reference", reference_write_kv, reference_decode_attention, masked_prefill)
 
 
 def prompts(tokenizer, prefix_tokens: int, batch: int) -> tuple[list[int], list[list[int]]]:

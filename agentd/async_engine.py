@@ -1,8 +1,11 @@
 """Async front of the engine: the engine loop runs in its own thread; the event loop talks to it
 through a command queue, and results come back with ``loop.call_soon_threadsafe``.
 
-Invariant: only the engine thread touches the engine. A stream whose consumer goes away (client
-disconnect, cancellation) aborts its request, so its blocks return to the pool.
+Invariant: only the engine thread touches the engine. Every request's stream ends in exactly one
+of two ways: read to its last delta, or aborted — by ``aclose()``, by a cancelled read, or by
+being dropped unread (even before its first read) — so its blocks always return to the pool and
+its ``_streams`` entry is always removed. At most ``max_in_flight`` requests (when given) are in
+flight; past that ``add_request`` refuses at once with ``EngineBusyError``.
 """
 
 from __future__ import annotations
@@ -12,14 +15,15 @@ import logging
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from agentd.config import EngineConfig
 from agentd.engine import EngineStats, LLMEngine
 from agentd.outputs import StreamDelta
-from agentd.pins import PinResult
+from agentd.pins import PinResult, PinSummary
 from agentd.sampling_params import SamplingParams
 
 logger = logging.getLogger("agentd")
@@ -28,7 +32,82 @@ _IDLE_WAIT_S = 0.05
 
 
 class EngineDeadError(RuntimeError):
-    pass
+    """The engine loop failed or was stopped: no request can be served."""
+
+
+class EngineBusyError(RuntimeError):
+    """Too many requests are in flight; retry later (nothing was queued)."""
+
+
+@dataclass(frozen=True)
+class IntegrityReport:
+    """The pool's invariants checked on the engine thread, plus what still holds blocks."""
+
+    ok: bool
+    error: str | None
+    num_blocks_used: int
+    num_blocks_pinned: int
+    num_requests: int  # requests the scheduler still knows (running or waiting)
+    num_streams: int  # streams still registered on the async side
+
+
+class RequestStream:
+    """The deltas of one request: an async iterator that always cleans up after itself.
+
+    Unlike an async generator, whose ``finally`` never runs when it is closed before its first
+    read, this aborts its request on ``aclose()``/``abort()``, on a cancelled read and when it is
+    garbage-collected unfinished.
+    """
+
+    def __init__(self, owner: AsyncEngine, request_id: str,
+                 queue: asyncio.Queue[StreamDelta | BaseException]) -> None:
+        self.request_id = request_id
+        self._owner = owner
+        self._queue = queue
+        self._done = False
+
+    @property
+    def done(self) -> bool:
+        """True once the last delta was read or the request was aborted."""
+        return self._done
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> StreamDelta:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except BaseException:  # the reader was cancelled: nobody will read the rest
+            self.abort()
+            raise
+        if isinstance(item, BaseException):
+            self._end(abort=False)
+            raise item
+        if item.finished:
+            self._end(abort=False)
+        return item
+
+    async def aclose(self) -> None:
+        """Abort the request unless it has finished (idempotent)."""
+        self.abort()
+
+    def abort(self) -> None:
+        """Abort the request unless it has finished (idempotent; safe from any thread)."""
+        self._end(abort=True)
+
+    def _end(self, abort: bool) -> None:
+        if not self._done:
+            self._done = True
+            self._owner._release(self.request_id, abort)
+
+    def __del__(self) -> None:
+        if not getattr(self, "_done", True):
+            try:
+                self.abort()
+            except Exception:  # interpreter shutdown: the engine is gone anyway
+                pass
 
 
 class AsyncEngine:
@@ -37,11 +116,14 @@ class AsyncEngine:
         self.tokenizer = engine.tokenizer
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
+        self.max_num_seqs = engine.config.max_num_seqs
+        self.vocab_size = engine.loaded.model.dims.vocab_size
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self._stats = engine.stats()
+        self._pin_summary = engine.pins.summary()
         self.error: BaseException | None = None
 
     @classmethod
@@ -54,13 +136,20 @@ class AsyncEngine:
             self._thread = threading.Thread(target=self._loop, name="agentd-engine", daemon=True)
             self._thread.start()
 
-    def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Abort what is still running and stop the loop thread."""
+    def shutdown(self, timeout_s: float = 10.0, drain_s: float = 1.0) -> None:
+        """Abort what is still running and stop the loop thread (any thread may call this).
+
+        Aborts land between engine steps. Streams still open after ``drain_s`` — a long step is
+        running — are ended at once with EngineDeadError, so no client outlives the shutdown.
+        """
         if self._thread is None:
             return
         self._commands.put(self._abort_all)
         self._stopping.set()
-        self._thread.join(timeout_s)
+        self._thread.join(min(drain_s, timeout_s))
+        for request_id in list(self._streams):
+            self._post(request_id, EngineDeadError("the server is shutting down"))
+        self._thread.join(max(timeout_s - drain_s, 0.0))
         self._thread = None
 
     @property
@@ -69,27 +158,49 @@ class AsyncEngine:
 
     # --- requests --------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None,
-                    cache_salt: str | None = None) -> AsyncIterator[StreamDelta]:
+                    request_id: str | None = None, cache_salt: str | None = None,
+                    max_in_flight: int | None = None) -> RequestStream:
         """Queue a request and return its stream of deltas.
 
-        Raises ValueError at once (nothing queued) for an empty or too-long prompt.
+        Raises at once, with nothing queued: ValueError for an empty or too-long prompt,
+        EngineBusyError when ``max_in_flight`` requests are in flight already, EngineDeadError
+        when the engine is not running.
         """
         self._check_alive()
         self._validate(prompt_token_ids)
-        request_id = request_id or f"req-{uuid.uuid4().hex}"
-        loop = asyncio.get_running_loop()
-        stream: asyncio.Queue[StreamDelta | BaseException] = asyncio.Queue()
-        self._streams[request_id] = (loop, stream)
+        if max_in_flight is not None and len(self._streams) >= max_in_flight:
+            raise EngineBusyError(
+                f"the server is busy: {len(self._streams)} requests are in flight (the limit "
+                f"is {max_in_flight}); retry shortly"
+            )
+        stream = self._open_stream(request_id or f"req-{uuid.uuid4().hex}")
 
         def add() -> None:
             try:
-                self.engine.add_request(prompt_token_ids, params, request_id, cache_salt)
+                self.engine.add_request(prompt_token_ids, params, stream.request_id, cache_salt)
             except Exception as exc:  # validation raced with a config detail: report it
-                self._post(request_id, exc)
+                self._post(stream.request_id, exc)
 
         self._commands.put(add)
-        return self._iterate(request_id, stream)
+        return stream
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests whose stream is open (pins being prefilled included)."""
+        return len(self._streams)
+
+    def _open_stream(self, request_id: str) -> RequestStream:
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[StreamDelta | BaseException] = asyncio.Queue()
+        self._streams[request_id] = (loop, queue)
+        return RequestStream(self, request_id, queue)
+
+    def _release(self, request_id: str, abort: bool) -> None:
+        self._streams.pop(request_id, None)
+        if abort:
+            self.abort(request_id)
 
     def _validate(self, prompt_token_ids: list[int]) -> None:
         if not prompt_token_ids:
@@ -100,36 +211,18 @@ class AsyncEngine:
                 f"(max_model_len) is {self.max_model_len} tokens, which must also hold the output"
             )
 
-    async def _iterate(self, request_id: str,
-                       stream: asyncio.Queue) -> AsyncIterator[StreamDelta]:
-        finished = False
-        try:
-            while True:
-                item = await stream.get()
-                if isinstance(item, BaseException):
-                    finished = True
-                    raise item
-                yield item
-                if item.finished:
-                    finished = True
-                    return
-        finally:
-            self._streams.pop(request_id, None)
-            if not finished:
-                self.abort(request_id)
-
     async def run_pin(self, name: str, token_ids: list[int], ttl_s: float | None,
                       meta: dict[str, Any]) -> PinResult:
         """Prefill and pin a prefix; returns the engine's PinResult (raises PinError early)."""
-        request_id = f"pin-{uuid.uuid4().hex}"
-        stream: asyncio.Queue[StreamDelta | BaseException] = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        self._check_alive()
+        stream = self._open_stream(f"pin-{uuid.uuid4().hex}")
+        request_id = stream.request_id
         try:
             await self.call(lambda e: e.add_pin(name, token_ids, ttl_s, meta, request_id))
         except BaseException:
-            self._streams.pop(request_id, None)
+            stream._end(abort=False)  # nothing was queued
             raise
-        async for _ in self._iterate(request_id, stream):
+        async for _ in stream:
             pass
         return await self.call(lambda e: e.pin_results.pop(request_id))
 
@@ -154,10 +247,35 @@ class AsyncEngine:
         """A snapshot taken by the engine thread after its latest step."""
         return self._stats
 
+    def pin_summary(self) -> PinSummary:
+        """Pins' counters and near misses, copied by the engine thread after its latest step."""
+        return self._pin_summary
+
     # --- the engine thread -----------------------------------------------------------------
+    async def check_integrity(self) -> IntegrityReport:
+        """Check the pool's invariants and that every reference has an owner (a live request's
+        block table or a pin), on the engine thread between steps."""
+
+        def check(engine: LLMEngine) -> IntegrityReport:
+            error = None
+            try:
+                _check_references(engine)
+            except AssertionError as exc:
+                error = str(exc) or "the block pool failed its integrity check"
+            stats = engine.stats()
+            return IntegrityReport(ok=error is None, error=error,
+                                   num_blocks_used=stats.num_blocks_used,
+                                   num_blocks_pinned=stats.num_blocks_pinned,
+                                   num_requests=len(engine.scheduler.requests),
+                                   num_streams=len(self._streams))
+
+        return await self.call(check)
+
     def _check_alive(self) -> None:
         if self.error is not None:
             raise EngineDeadError(f"the engine loop failed: {self.error!r}")
+        if self._stopping.is_set():
+            raise EngineDeadError("the engine is shutting down")
 
     def _post(self, request_id: str, item: StreamDelta | BaseException) -> None:
         target = self._streams.get(request_id)
@@ -190,11 +308,15 @@ class AsyncEngine:
                 engine.expire_pins()
                 deltas = engine.step() if engine.has_unfinished_requests() else []
                 self._stats = engine.stats()  # before posting: a finished client sees its request
+                self._pin_summary = engine.pins.summary(tuple(engine.expired_pins))
                 for delta in deltas:
                     self._post(delta.request_id, delta)
             except Exception as exc:  # a broken step must not wedge the clients
                 logger.exception("engine step failed; aborting in-flight requests")
                 self._fail_all(exc)
+        self._abort_all()  # whatever a late command added: nobody would run it now
+        for request_id in list(self._streams):
+            self._post(request_id, EngineDeadError("the engine stopped"))
         self._stats = engine.stats()
 
     def _abort_all(self) -> None:
@@ -210,3 +332,25 @@ class AsyncEngine:
 
     def pending(self) -> dict[str, Any]:
         return {"streams": len(self._streams), "commands": self._commands.qsize()}
+
+
+def _check_references(engine: LLMEngine) -> None:
+    """Raise AssertionError unless the pool is sound and each block's ref count equals the
+    number of its owners: live requests' block tables plus the pins holding it."""
+    kv_cache = engine.kv_cache
+    pool = kv_cache.pool
+    pool.check_integrity()
+    owners = [0] * pool.num_blocks
+    for request_id in engine.scheduler.requests:
+        if kv_cache.has_request(request_id):
+            for block_id in kv_cache.block_table(request_id):
+                owners[block_id] += 1
+    for pin in engine.pins.registry:
+        for block_id in pin.block_ids:
+            owners[block_id] += 1
+    for block_id, num_owners in enumerate(owners):
+        ref_cnt = pool.ref_cnt(block_id)
+        assert ref_cnt == num_owners, (
+            f"block {block_id} has ref_cnt {ref_cnt} but {num_owners} owners (a leaked or "
+            "double-freed reference)"
+        )

@@ -25,6 +25,12 @@ _PROBE_MESSAGES = ("Hello", "1", "{", " x", "Wie geht's?")  # varied first chara
 REGISTRY_FILE = "pins.json"
 
 
+class PinTooLongError(PinError):
+    """The prefix does not fit the context (a 400, like an over-long chat prompt)."""
+
+    status = 400
+
+
 @dataclass
 class PinSpec:
     """What the user registered: enough to re-render the pin after a restart."""
@@ -34,10 +40,11 @@ class PinSpec:
     tools: list[dict] | None = None
     ttl_s: float | None = None
     created: float = field(default_factory=time.time)
+    prefill_s: float | None = None  # how long its first prefill took (restore reports compare)
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "system": self.system, "tools": self.tools,
-                "ttl_s": self.ttl_s, "created": self.created}
+                "ttl_s": self.ttl_s, "created": self.created, "prefill_s": self.prefill_s}
 
 
 def pin_token_ids(tokenizer, system: str, tools: list[dict] | None, block_size: int) -> list[int]:
@@ -74,14 +81,21 @@ class PinService:
     async def add(self, spec: PinSpec, persist: bool = True) -> dict[str, Any]:
         """Render, prefill (or restore) and pin; returns the pin's description.
 
-        Raises PinError (with an HTTP status) when the name is taken or the budget is short.
+        Raises PinError (with an HTTP status) when the name is taken, the budget is short or the
+        prefix does not fit the context.
         """
         token_ids = pin_token_ids(self.engine.tokenizer, spec.system, spec.tools,
                                   self.block_size)
+        if len(token_ids) >= self.engine.max_model_len:
+            raise PinTooLongError(
+                f"pin {spec.name!r} is {len(token_ids)} tokens but the context (max_model_len) "
+                f"is {self.engine.max_model_len}; shorten the prompt or raise --kv-cache-memory")
         meta = {"system_chars": len(spec.system), "num_tools": len(spec.tools or [])}
         result = await self.engine.run_pin(spec.name, token_ids, spec.ttl_s, meta)
         if result.pin is None:
             raise result.error or PinError("the pin failed")
+        if spec.prefill_s is None:
+            spec.prefill_s = result.elapsed_s
         self.specs[spec.name] = spec
         if persist:
             self.persist()
@@ -187,8 +201,9 @@ class PinService:
                 logger.error("could not restore pin %r: %s", spec.name, exc)
                 entry = {"name": spec.name, "error": str(exc)}
             entry["elapsed_s"] = time.monotonic() - start
+            entry["prefill_s"] = spec.prefill_s  # the first prefill, to compare with
             report.append(entry)
-            logger.info("restored pin %s", entry)
+            logger.debug("restored pin %s", entry)
         self.restore_report = report
         return report
 

@@ -22,7 +22,22 @@ from agentd.cache import KVCacheManager, Pin, PinError, PinExistsError, PinRegis
 from agentd.request import Request
 
 _NEAR_MISS_KEEP = 256
+_NEAR_MISS_RECENT = 10  # how many of the latest near misses observers see
 _CONTEXT_CHARS = 48
+CAUSE_DATE_TIME = "a date or time in the prompt changes between requests"
+CAUSE_TOOLS = "the tools differ (another order, or changed schemas)"
+CAUSE_TEMPLATE = "a different chat template or message layout"
+CAUSE_TEXT_ADDED = "text was added to or removed from the prompt here"
+CAUSE_TEXT = "the prompt text changed"
+# JSON keys of an OpenAI tool and its parameter schema, as templates render them. Before the
+# divergence, "name"/"type" are left out: agentd's own tools block ends with a call example that
+# has them, right before the system text.
+_TOOL_KEYS = re.compile(r'"(?:type|function|name|parameters|description|properties)":|<tools>')
+_TOOL_KEYS_BEFORE = re.compile(
+    r'"(?:function|parameters|description|properties|required|enum)":|<tools>')
+# where a turn or a special token starts (ChatML, Llama 3, Mistral, Gemma)
+_MARKER = re.compile(r"\s*(?:<\||\[/?INST\]|<start_of_turn>|<end_of_turn>|</?s>)")
+_MARKER_END = re.compile(r"(?:<\|[A-Za-z_]+\|>|\[/?INST\]|<start_of_turn>)\s*$")
 _DATE_TIME = re.compile(
     r"\d{4}-\d{2}-\d{2}|\d{1,2}:\d{2}|\b(?:19|20)\d{2}\b|"
     r"\b(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun)[a-z]*\b|"
@@ -46,6 +61,31 @@ class NearMiss:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class PinStat:
+    """One pin's numbers, copied on the engine thread for readers on other threads."""
+
+    name: str
+    num_tokens: int
+    num_blocks: int
+    num_hits: int
+    num_tokens_served: int
+    ttl_s: float | None
+    last_hit_s: float  # monotonic
+    created_s: float  # wall clock
+
+
+@dataclass(frozen=True)
+class PinSummary:
+    """Everything observers need about pins, immutable so it can cross threads as is."""
+
+    pins: tuple[PinStat, ...] = ()
+    near_miss_counts: tuple[tuple[str, str, int], ...] = ()  # (pin, cause, count), top first
+    recent_near_misses: tuple[NearMiss, ...] = ()  # newest last
+    num_near_misses: int = 0
+    expired: tuple[str, ...] = ()  # pins decayed by TTL that the registry owner has not synced
+
+
 @dataclass
 class PendingPin:
     name: str
@@ -61,6 +101,9 @@ class PinResult:
     error: Exception | None
     elapsed_s: float
     restored: bool  # KV came from a snapshot instead of a prefill
+
+
+_EMPTY_SUMMARY = PinSummary()
 
 
 class PinManager:
@@ -129,6 +172,7 @@ class PinManager:
         with open(tmp, "wb") as f:
             torch.save(payload, f)
             f.flush()
+            _test_pause()  # tests kill -9 the daemon here, with the snapshot half-committed
             os.fsync(f.fileno())
         os.replace(tmp, path)
 
@@ -162,6 +206,18 @@ class PinManager:
         result = self._register(pending, restored=True)
         self.kv_cache.free(request_id)  # the pin's own references keep the blocks
         return result
+
+    # --- observability ---------------------------------------------------------------------
+    def summary(self, expired: tuple[str, ...] = ()) -> PinSummary:
+        """An immutable copy of the pins' counters and the latest near misses (cheap: a few
+        pins, a small counter)."""
+        if not len(self.registry) and not self.near_misses and not expired:
+            return _EMPTY_SUMMARY
+        pins = tuple(PinStat(p.name, p.num_tokens, p.num_blocks, p.num_hits, p.num_tokens_served,
+                             p.ttl_s, p.last_hit_s, p.created_s) for p in self.registry)
+        counts = tuple((pin, cause, n) for (pin, cause), n in self.near_miss_counts.most_common())
+        recent = tuple(self.near_misses)[-_NEAR_MISS_RECENT:]
+        return PinSummary(pins, counts, recent, sum(self.near_miss_counts.values()), expired)
 
     # --- accounting ------------------------------------------------------------------------
     def on_admitted(self, request: Request) -> None:
@@ -203,19 +259,36 @@ class PinManager:
         self.near_miss_counts[(pin.name, cause)] += 1
 
     def _context(self, token_ids: list[int], index: int) -> str:
-        before = self.tokenizer.decode(token_ids[max(0, index - 8):index])
+        before = self.tokenizer.decode(token_ids[max(0, index - 24):index])
         after = self.tokenizer.decode(token_ids[index:index + 12])
         return (before[-_CONTEXT_CHARS:] + "⟦" + after[:_CONTEXT_CHARS]).replace("\n", "\\n")
 
 
 def guess_cause(pin_text: str, request_text: str) -> str:
-    """A short human guess at why a prompt diverged from a pin."""
-    pin_after = pin_text.split("⟦", 1)[-1]
-    req_after = request_text.split("⟦", 1)[-1]
+    """A short human guess at why a prompt diverged from a pin (texts hold ``⟦`` where the first
+    differing token starts)."""
+    pin_before, pin_after = _split_at_divergence(pin_text)
+    req_before, req_after = _split_at_divergence(request_text)
     if _DATE_TIME.search(pin_after) or _DATE_TIME.search(req_after):
-        return "a date or time in the prompt changes between requests"
-    if '"type": "function"' in pin_text + request_text or '"name":' in pin_after + req_after:
-        return "the tools differ (another order, or changed schemas)"
-    if "<|" in pin_after + req_after or "[INST]" in pin_after + req_after:
-        return "a different chat template or message layout"
-    return "the prompt text changed"
+        return CAUSE_DATE_TIME
+    if _TOOL_KEYS.search(pin_after + req_after) or _TOOL_KEYS_BEFORE.search(pin_before):
+        return CAUSE_TOOLS
+    pin_marks, req_marks = bool(_MARKER.match(pin_after)), bool(_MARKER.match(req_after))
+    if (pin_marks and req_marks) or _MARKER_END.search(pin_before):
+        return CAUSE_TEMPLATE
+    if pin_marks != req_marks:
+        return CAUSE_TEXT_ADDED
+    return CAUSE_TEXT
+
+
+def _split_at_divergence(text: str) -> tuple[str, str]:
+    before, _, after = text.partition("⟦")
+    return before, after
+
+
+def _test_pause() -> None:
+    """Tests only: hold for ``$AGENTD_TEST_PAUSE_SNAPSHOT_S`` seconds in the middle of writing a
+    KV snapshot, so a test can ``kill -9`` the daemon with the snapshot half written."""
+    pause_s = os.environ.get("AGENTD_TEST_PAUSE_SNAPSHOT_S")
+    if pause_s:
+        time.sleep(float(pause_s))

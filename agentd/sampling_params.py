@@ -4,13 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+_GREEDY_EPS = 1e-5
+
 
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop.
 
-    ``temperature == 0`` is greedy. ``top_k`` of ``None`` (or 0) disables top-k; ``top_p`` of 1.0
-    disables nucleus sampling. ``seed`` makes a sampled request reproducible on its own.
+    ``temperature`` below 1e-5 (vLLM's epsilon) is greedy: dividing logits by a smaller one
+    overflows float32 to inf, and one NaN row would fail the whole batch's step. ``top_k`` of
+    ``None`` (or 0) disables top-k; ``top_p`` of 1.0 disables nucleus sampling. ``seed`` makes
+    a sampled request reproducible on its own.
     """
 
     max_tokens: int | None = 16
@@ -48,4 +52,4 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < _GREEDY_EPS

@@ -17,9 +17,14 @@ from agentd import __version__
 
 # name -> "module:attribute"; add a command by adding a line here and a module beside this one.
 COMMANDS = {
+    "bench": "agentd.cli.bench:command",
     "start": "agentd.cli.start:command",
     "stop": "agentd.cli.stop:command",
     "status": "agentd.cli.status:command",
+    "pin": "agentd.cli.pin:command",
+    "unpin": "agentd.cli.unpin:command",
+    "pins": "agentd.cli.pins:command",
+    "stats": "agentd.cli.stats:command",
 }
 
 

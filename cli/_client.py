@@ -1,9 +1,9 @@
 """The CLI's HTTP client for a running daemon.
 
 Invariants: the base URL is ``--url``, else ``$AGENTD_URL``, else ``http://127.0.0.1:8000``;
-``Authorization: Bearer $AGENTD_API_KEY`` is sent when that variable is set; every failure a user
-can fix (nothing listening, a missing key, an error reply) becomes a ``click.ClickException``
-that says what to do.
+``Authorization: Bearer $AGENTD_API_KEY`` is sent when that variable is set (its first key,
+when it lists several for ``agentd start``); every failure a user can fix (nothing listening, a
+missing key, an error reply) becomes a ``click.ClickException`` that says what to do.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ class DaemonClient:
         if self.url.endswith("/v1"):  # accept the OpenAI base URL too
             self.url = self.url[: -len("/v1")]
         api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENVVAR)
+        api_key = (api_key or "").split(",")[0].strip()  # the daemon's own list: use the first
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._http = httpx.Client(base_url=self.url, headers=headers, timeout=timeout_s,
                                   trust_env=False)

@@ -65,8 +65,14 @@ def _option(name: str, **kwargs: Any) -> Any:
 @_option("--no-prefix-caching", is_flag=True, help="Turn prefix (KV) caching off.")
 @_option("--seed", default=_DEFAULTS["seed"], type=int, help="Seed for requests without one.")
 @_option("--num-threads", default=None, type=int, help="CPU threads for torch [default: all].")
-@_option("--api-key", default=None,
-         help="Require 'Authorization: Bearer KEY' on /v1 and /admin routes.")
+@_option("--api-key", multiple=True,
+         help="Require 'Authorization: Bearer KEY' on /v1 and /admin routes. Repeat it (or "
+              "separate keys with commas) for several keys; each key then gets its own "
+              "prefix cache unless --shared-cache.")
+@_option("--shared-cache", is_flag=True,
+         help="With several API keys, let them share cached prefixes and pins.")
+@_option("--max-queue", default=256, type=click.IntRange(min=0),
+         help="Requests that may wait beyond a full batch; past that, 503 with Retry-After.")
 @_option("--max-request-body", default="16MiB", help="Largest request body accepted (413).")
 @_option("--shutdown-grace", default="10s",
          help="How long in-flight requests may run on after a stop before they are aborted.")
@@ -78,7 +84,7 @@ def command(**params: Any) -> None:
     Every option can also be set with the environment variable shown beside it.
     """
     config = engine_config(params)
-    settings = server_settings(params)
+    settings = server_settings(params, StatePaths.of(params["state_dir"]).root)
     check_model(params["model"])
     host, port = params["host"], params["port"]
     sock = bind_listener(host, port)  # first: "port in use" is the usual reason to fail
@@ -92,7 +98,7 @@ def command(**params: Any) -> None:
     url = display_url(host, port)
     if params["detach"]:
         sock.close()  # the daemon binds it again
-        detach(_child_args(params), params["api_key"], paths, url)
+        detach(_child_args(params), ",".join(api_keys(params)) or None, paths, url)
         return
     _setup_logging(params["log_level"])
     paths.write_pid(os.getpid())
@@ -129,17 +135,26 @@ def engine_config(params: dict[str, Any]) -> EngineConfig:
         ) from None
 
 
-def server_settings(params: dict[str, Any]) -> Any:
+def server_settings(params: dict[str, Any], state_dir: Path | None = None) -> Any:
     from agentd.server.state import ServerSettings
 
     try:
         return ServerSettings(
-            api_keys=(params["api_key"],) if params["api_key"] else (),
+            api_keys=api_keys(params),
+            max_queue=params["max_queue"],
+            shared_cache=params["shared_cache"],
             max_request_body_bytes=parse_size(params["max_request_body"]),
             shutdown_grace_s=parse_duration(params["shutdown_grace"]),
+            state_dir=state_dir,
         )
     except ValueError as exc:
         raise click.ClickException(f"{exc} (see `agentd start --help`)") from None
+
+
+def api_keys(params: dict[str, Any]) -> tuple[str, ...]:
+    """Every key given, whether repeated or comma-separated (``AGENTD_API_KEY=k1,k2`` too)."""
+    return tuple(key.strip() for value in params["api_key"] or () for key in value.split(",")
+                 if key.strip())
 
 
 def _option_names(message: str) -> str:

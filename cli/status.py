@@ -66,8 +66,10 @@ def _stats_rows(table: Any, s: dict[str, Any]) -> None:
     table.add_row("model", f"{s['model']} (max_model_len {s['max_model_len']})")
     table.add_row("uptime", format_duration(s["uptime_s"]))
     table.add_row("pool", f"{s['num_blocks_used']} / {total} blocks in use "
-                          f"({100 * s['kv_cache_usage']:.1f}%), {s['num_blocks_cached']} cached, "
-                          f"{s['num_blocks_free']} free")
+                          f"({100 * s['kv_cache_usage']:.1f}%; {s['num_blocks_pinned']} of them "
+                          f"pinned), {s['num_blocks_cached']} cached, {s['num_blocks_free']} free")
+    if s.get("num_pins"):
+        table.add_row("pins", f"{s['num_pins']} (see `agentd pins` and `agentd stats`)")
     table.add_row("requests", f"{s['num_requests_running']} running, "
                               f"{s['num_requests_waiting']} waiting, "
                               f"{s['num_requests_finished']} finished")

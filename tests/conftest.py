@@ -1,7 +1,11 @@
-"""Shared fixtures: the default model's files and tiny random models per architecture.
+"""Shared fixtures: the default model's files, tiny random models per architecture, and chat
+templates in the styles of other model families.
 
 Tiny models reuse the default model's real tokenizer (SmolLM2, 49,152 tokens) so that prompts are
 real text; their weights are random, with a wide init so that greedy choices are not near-ties.
+A tiny model can carry another chat template (``tiny_model_factory("llama", template="qwen")``):
+a Qwen2.5-style one that renders tools inside ``<tools></tools>`` in the system turn, or a
+Llama-3.1-style one that puts them in the first user turn.
 """
 
 from __future__ import annotations
@@ -12,6 +16,66 @@ from pathlib import Path
 import pytest
 import torch
 
+QWEN_STYLE_TEMPLATE = """
+{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}
+    {{- '# Tools\\n\\n<tools>' }}
+    {%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}
+    {{- '\\n</tools><|im_end|>\\n' }}
+{%- elif messages[0].role == 'system' %}
+    {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if message.role == 'user' %}
+        {{- '<|im_start|>user\\n' + message.content + '<|im_end|>\\n' }}
+    {%- elif message.role == 'assistant' %}
+        {{- '<|im_start|>assistant\\n' + message.content }}
+        {%- for tc in message.tool_calls or [] %}
+            {{- '\\n<tool_call>\\n{"name": "' + tc.function.name + '", "arguments": ' }}
+            {{- tc.function.arguments | tojson }}
+            {{- '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == 'tool' %}
+        {{- '<|im_start|>user\\n<tool_response>\\n' + message.content }}
+        {{- '\\n</tool_response><|im_end|>\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""
+
+LLAMA3_STYLE_TEMPLATE = """
+{{- bos_token }}
+{%- if messages[0].role == 'system' %}
+    {%- set system = messages[0].content %}{%- set messages = messages[1:] %}
+{%- else %}{%- set system = '' %}{%- endif %}
+{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' + system + '<|eot_id|>' }}
+{%- for message in messages %}
+    {%- if loop.first and tools is not none %}
+        {{- '<|start_header_id|>user<|end_header_id|>\\n\\n' }}
+        {{- 'Given the following functions, respond with a JSON for a function call.\\n\\n' }}
+        {%- for t in tools %}{{- t | tojson(indent=4) }}{{- '\\n\\n' }}{%- endfor %}
+        {{- message.content + '<|eot_id|>' }}
+    {%- elif message.role == 'assistant' and message.tool_calls %}
+        {%- set tc = message.tool_calls[0].function %}
+        {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
+        {{- '{"name": "' + tc.name + '", "parameters": ' }}
+        {{- tc.arguments | tojson }}
+        {{- '}<|eot_id|>' }}
+    {%- elif message.role == 'tool' %}
+        {{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' + message.content + '<|eot_id|>' }}
+    {%- else %}
+        {{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' }}
+        {{- message.content + '<|eot_id|>' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
+{%- endif %}
+"""
+
+CHAT_TEMPLATES = {"qwen": QWEN_STYLE_TEMPLATE, "llama3": LLAMA3_STYLE_TEMPLATE}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "chat_template.jinja")
 
@@ -57,11 +121,30 @@ def build_tiny_model(root: Path, model_type: str, tokenizer_dir: Path, seed: int
     return path
 
 
+def with_chat_template(model_dir: Path, name: str) -> Path:
+    """A copy of ``model_dir`` (weights linked, not copied) whose chat template is ``name``'s."""
+    path = model_dir.with_name(f"{model_dir.name}-{name}")
+    if path.exists():
+        return path
+    path.mkdir()
+    for item in model_dir.iterdir():
+        if item.name != "chat_template.jinja":
+            (path / item.name).symlink_to(item)
+    (path / "chat_template.jinja").write_text(CHAT_TEMPLATES[name])
+    return path
+
+
+@pytest.fixture(scope="session")
+def chat_templates() -> dict[str, str]:
+    return dict(CHAT_TEMPLATES)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_factory(tmp_path_factory, default_model_dir):
     root = tmp_path_factory.mktemp("tiny-models")
 
-    def make(model_type: str) -> Path:
-        return build_tiny_model(root, model_type, default_model_dir)
+    def make(model_type: str, template: str | None = None) -> Path:
+        path = build_tiny_model(root, model_type, default_model_dir)
+        return path if template is None else with_chat_template(path, template)
 
     return make

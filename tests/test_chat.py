@@ -32,66 +32,6 @@ from agentd.tool_parser import (
 
 WORKLOAD = importlib.resources.files("agentd.workloads") / "coding_agent.json"
 
-QWEN_STYLE_TEMPLATE = """
-{%- if tools %}
-    {{- '<|im_start|>system\\n' }}
-    {%- if messages[0].role == 'system' %}{{- messages[0].content + '\\n\\n' }}{%- endif %}
-    {{- '# Tools\\n\\n<tools>' }}
-    {%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}
-    {{- '\\n</tools><|im_end|>\\n' }}
-{%- elif messages[0].role == 'system' %}
-    {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
-{%- endif %}
-{%- for message in messages %}
-    {%- if message.role == 'user' %}
-        {{- '<|im_start|>user\\n' + message.content + '<|im_end|>\\n' }}
-    {%- elif message.role == 'assistant' %}
-        {{- '<|im_start|>assistant\\n' + message.content }}
-        {%- for tc in message.tool_calls or [] %}
-            {{- '\\n<tool_call>\\n{"name": "' + tc.function.name + '", "arguments": ' }}
-            {{- tc.function.arguments | tojson }}
-            {{- '}\\n</tool_call>' }}
-        {%- endfor %}
-        {{- '<|im_end|>\\n' }}
-    {%- elif message.role == 'tool' %}
-        {{- '<|im_start|>user\\n<tool_response>\\n' + message.content }}
-        {{- '\\n</tool_response><|im_end|>\\n' }}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
-"""
-
-LLAMA3_STYLE_TEMPLATE = """
-{{- bos_token }}
-{%- if messages[0].role == 'system' %}
-    {%- set system = messages[0].content %}{%- set messages = messages[1:] %}
-{%- else %}{%- set system = '' %}{%- endif %}
-{{- '<|start_header_id|>system<|end_header_id|>\\n\\n' + system + '<|eot_id|>' }}
-{%- for message in messages %}
-    {%- if loop.first and tools is not none %}
-        {{- '<|start_header_id|>user<|end_header_id|>\\n\\n' }}
-        {{- 'Given the following functions, respond with a JSON for a function call.\\n\\n' }}
-        {%- for t in tools %}{{- t | tojson(indent=4) }}{{- '\\n\\n' }}{%- endfor %}
-        {{- message.content + '<|eot_id|>' }}
-    {%- elif message.role == 'assistant' and message.tool_calls %}
-        {%- set tc = message.tool_calls[0].function %}
-        {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
-        {{- '{"name": "' + tc.name + '", "parameters": ' }}
-        {{- tc.arguments | tojson }}
-        {{- '}<|eot_id|>' }}
-    {%- elif message.role == 'tool' %}
-        {{- '<|start_header_id|>ipython<|end_header_id|>\\n\\n' + message.content + '<|eot_id|>' }}
-    {%- else %}
-        {{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' }}
-        {{- message.content + '<|eot_id|>' }}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
-{%- endif %}
-"""
-
-
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:
     from transformers import AutoTokenizer
@@ -158,10 +98,10 @@ def test_common_prefix_len() -> None:
 # ---- the default model's ChatML template (no tools support) --------------------------------
 
 
-def test_default_template_has_no_tools_support(tokenizer: Any) -> None:
+def test_default_template_has_no_tools_support(tokenizer: Any, chat_templates) -> None:
     assert not template_supports_tools(tokenizer)
-    assert template_supports_tools(with_template(tokenizer, QWEN_STYLE_TEMPLATE))
-    assert template_supports_tools(with_template(tokenizer, LLAMA3_STYLE_TEMPLATE))
+    assert template_supports_tools(with_template(tokenizer, chat_templates["qwen"]))
+    assert template_supports_tools(with_template(tokenizer, chat_templates["llama3"]))
 
 
 def test_plain_chat_matches_apply_chat_template(tokenizer: Any) -> None:
@@ -282,8 +222,9 @@ def test_content_parts_and_developer_role(tokenizer: Any) -> None:
 # ---- templates that render tools themselves ------------------------------------------------
 
 
-def test_qwen_style_template_gets_canonical_tools(tokenizer: Any, workload: dict) -> None:
-    qwen = with_template(tokenizer, QWEN_STYLE_TEMPLATE)
+def test_qwen_style_template_gets_canonical_tools(tokenizer: Any, workload: dict,
+                                                  chat_templates) -> None:
+    qwen = with_template(tokenizer, chat_templates["qwen"])
     conversation = workload["conversations"][0]
     messages = [system("You are Forge."), *conversation]
     rendered = render_chat(qwen, messages, reversed_keys(workload["tools"]))
@@ -299,8 +240,9 @@ def test_qwen_style_template_gets_canonical_tools(tokenizer: Any, workload: dict
     assert rendered.prompt_token_ids == qwen(prompt, add_special_tokens=False).input_ids
 
 
-def test_llama3_style_template_gets_tools(tokenizer: Any, workload: dict) -> None:
-    llama = with_template(tokenizer, LLAMA3_STYLE_TEMPLATE)
+def test_llama3_style_template_gets_tools(tokenizer: Any, workload: dict,
+                                          chat_templates) -> None:
+    llama = with_template(tokenizer, chat_templates["llama3"])
     messages = [system("You are Forge."), user("Fix the bug.")]
     prompt = render_chat(llama, messages, reversed_keys(workload["tools"][:1])).prompt
     expected = json.dumps(canonical_tools(workload["tools"][:1])[0], indent=4, ensure_ascii=False)

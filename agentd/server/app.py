@@ -1,9 +1,10 @@
 """The Litestar application: routes, error handlers, OpenAPI, and the engine's lifespan.
 
 Invariant: ``create_app`` has no side effects; the engine is loaded (in a background thread, so
-``/health`` can answer 503 meanwhile) and started when the app's lifespan begins, and the engine
-the app loaded is shut down when it ends. Everything per-app (state, metrics registry) hangs off
-``app.state.agentd``, so several apps can live in one process.
+``/health`` can answer 503 meanwhile) and started when the app's lifespan begins — its saved pins
+restored before it is published — and the engine the app loaded is shut down when it ends.
+Everything per-app (state, metrics registry) hangs off ``app.state.agentd``, so several apps can
+live in one process.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from agentd.config import EngineConfig
 from agentd.server.errors import EXCEPTION_HANDLERS
 from agentd.server.routes_admin import AdminController, health, metrics
 from agentd.server.routes_openai import OpenAIController
+from agentd.server.routes_pins import PinsController
 from agentd.server.state import ServerSettings, ServerState
 
 if TYPE_CHECKING:
@@ -40,7 +42,8 @@ def create_app(config: EngineConfig, *, engine: AsyncEngine | None = None,
         config: the engine configuration (used to load the engine when ``engine`` is None).
         engine: an already-built engine; the app starts it but leaves shutting it down to the
             caller.
-        settings: HTTP-side settings (API keys, body size limit, shutdown grace).
+        settings: HTTP-side settings (API keys, body size limit, shutdown grace, the state
+            dir that keeps pins across restarts).
         request_exit: called with an exit status when the server should stop: 0 after
             ``POST /admin/shutdown``, 1 when the model fails to load. ``agentd start`` passes
             one that tells uvicorn to exit.
@@ -53,13 +56,17 @@ def create_app(config: EngineConfig, *, engine: AsyncEngine | None = None,
     @asynccontextmanager
     async def lifespan(_: Litestar) -> AsyncIterator[None]:
         server.begin()
+        if server.pins is not None:  # an engine given by the caller: restore before serving
+            await server.restore_pins(server.pins)
+        expiry = asyncio.create_task(server.expire_pins_forever())
         try:
             yield
         finally:
+            expiry.cancel()
             await asyncio.to_thread(server.close)
 
     return Litestar(
-        route_handlers=[OpenAIController, AdminController, health, metrics],
+        route_handlers=[OpenAIController, PinsController, AdminController, health, metrics],
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=[lifespan],
         state=State({"agentd": server}),

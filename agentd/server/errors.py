@@ -2,8 +2,10 @@
 "code"}}`` with the HTTP status that says who must act (4xx: the client, 5xx: the server).
 
 Invariant: no exception reaches the client as Litestar's own error body or a traceback. Body
-decoding errors (malformed JSON, wrong field types) are 400 and name the field; a body over the
-size limit is 413; unknown routes are 404; anything unexpected is a 500 that is also logged.
+decoding errors (malformed JSON, invalid UTF-8, wrong field types) are 400 and name the field; a
+prompt over the context is 400 ``context_length_exceeded``; a body over the size limit is 413;
+unknown routes are 404; a full queue is 503 with ``Retry-After``; anything unexpected is a 500
+that is also logged.
 """
 
 from __future__ import annotations
@@ -56,8 +58,7 @@ def _api_error(_: Request, exc: APIError) -> Response[ErrorResponse]:
 
 
 def _validation_error(_: Request, exc: RequestValidationError) -> Response[ErrorResponse]:
-    code = "context_length_exceeded" if exc.status == 413 else None
-    return error_response(APIError(exc.status, exc.message, param=exc.param, code=code))
+    return error_response(APIError(exc.status, exc.message, param=exc.param, code=exc.code))
 
 
 def _litestar_validation(_: Request, exc: ValidationException) -> Response[ErrorResponse]:

@@ -1,9 +1,11 @@
-"""Prometheus metrics with vLLM's names, in one ``CollectorRegistry`` per app.
+"""Prometheus metrics with vLLM's names, plus ``agentd:`` series with a ``pin`` label, in one
+``CollectorRegistry`` per app.
 
-Invariant: engine counters and gauges are read from the engine's stats snapshot at scrape time
-(never double-counted by handlers); only what the engine does not know — time to first token and
-end-to-end latency as the client sees them, and finished requests by reason — is recorded by the
-handlers. Two apps in one process never share a registry.
+Invariant: engine counters and gauges — pins' hits, tokens served, blocks and near misses
+included — are read from the engine thread's snapshots at scrape time (never double-counted by
+handlers, never waiting on the engine); only what the engine does not know — time to first token
+(overall and by cache outcome) and end-to-end latency as the client sees them, and finished
+requests by reason — is recorded by the handlers. Two apps in one process never share a registry.
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
 
+from agentd.server.stats import RecentRequests
+
 if TYPE_CHECKING:
     from agentd.engine import EngineStats
     from agentd.outputs import StreamDelta
+    from agentd.pins import PinSummary
 
 CONTENT_TYPE = "text/plain; version=0.0.4"  # the text format; the server adds the charset
 _LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -43,6 +48,7 @@ _GAUGES = (
 class EngineSnapshot(NamedTuple):
     model_name: str
     stats: EngineStats
+    pins: PinSummary
 
 
 _BLOCK_STATES = (("free", "num_blocks_free"), ("cached", "num_blocks_cached"),
@@ -59,7 +65,7 @@ class _EngineCollector:
         snapshot = self._source()
         if snapshot is None:  # the model is still loading
             return
-        model_name, stats = snapshot
+        model_name, stats, _ = snapshot
         for name, doc, field in _COUNTERS:
             family = CounterMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([model_name], getattr(stats, field))
@@ -72,7 +78,29 @@ class _EngineCollector:
                                    labels=["model_name", "state"])
         for state, field in _BLOCK_STATES:
             blocks.add_metric([model_name, state], getattr(stats, field))
+        blocks.add_metric([model_name, "pinned"], stats.num_blocks_pinned)
         yield blocks
+        yield from _pin_families(model_name, snapshot.pins)
+
+
+def _pin_families(model_name: str, summary: PinSummary) -> Iterator[Metric]:
+    labels = ["model_name", "pin"]
+    hits = CounterMetricFamily("agentd:pin_hits", "Requests whose prompt matched a whole pin.",
+                               labels=labels)
+    served = CounterMetricFamily("agentd:pin_tokens_served",
+                                 "Prompt tokens served from a pin's KV instead of a prefill.",
+                                 labels=labels)
+    blocks = GaugeMetricFamily("agentd:pin_blocks", "KV blocks held by a pin.", labels=labels)
+    for pin in summary.pins:
+        hits.add_metric([model_name, pin.name], pin.num_hits)
+        served.add_metric([model_name, pin.name], pin.num_tokens_served)
+        blocks.add_metric([model_name, pin.name], pin.num_blocks)
+    near = CounterMetricFamily(
+        "agentd:near_misses", "Requests that diverged from a pin before its end, by guessed cause.",
+        labels=[*labels, "cause"])
+    for pin_name, cause, count in summary.near_miss_counts:
+        near.add_metric([model_name, pin_name, cause], count)
+    yield from (hits, served, blocks, near)
 
 
 class ServerMetrics:
@@ -87,6 +115,11 @@ class ServerMetrics:
         self.e2e_request_latency = Histogram(
             "vllm:e2e_request_latency_seconds", "Time from arrival to the last token.",
             labels, registry=self.registry, buckets=_LATENCY_BUCKETS_S)
+        self.ttft_by_cache = Histogram(
+            "agentd:time_to_first_token_seconds",
+            "Time from arrival to the first token, by whether the prompt hit the prefix cache.",
+            [*labels, "cache"], registry=self.registry, buckets=_LATENCY_BUCKETS_S)
+        self.recent = RecentRequests()
         self.request_success = Counter(
             "vllm:request_success", "Finished requests by finish reason.",
             ["model_name", "finished_reason"], registry=self.registry)
@@ -95,8 +128,11 @@ class ServerMetrics:
     def observe_finished(self, model_name: str, last: StreamDelta, finish_reason: str) -> None:
         """Record one finished request from its last delta (engine monotonic timestamps)."""
         if last.first_token_time_s is not None:
-            self.time_to_first_token.labels(model_name).observe(
-                max(last.first_token_time_s - last.arrival_time_s, 0.0))
+            ttft_s = max(last.first_token_time_s - last.arrival_time_s, 0.0)
+            self.time_to_first_token.labels(model_name).observe(ttft_s)
+            cache = "hit" if last.num_cached_tokens > 0 else "miss"
+            self.ttft_by_cache.labels(model_name, cache).observe(ttft_s)
+        self.recent.record(last)
         self.e2e_request_latency.labels(model_name).observe(
             max(time.monotonic() - last.arrival_time_s, 0.0))
         self.request_success.labels(model_name, finish_reason).inc()

@@ -19,6 +19,7 @@ from msgspec import UNSET, UnsetType
 from agentd.sampling_params import SamplingParams
 
 MAX_STOP_SEQUENCES = 4
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what a torch generator accepts
 TOOL_CHOICE_STRINGS = ("none", "auto", "required")
 ROLES = ("system", "developer", "user", "assistant", "tool")
 _FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -283,11 +284,13 @@ def error_body(
 class RequestValidationError(ValueError):
     """A request the client must fix; ``status`` is the HTTP status to answer with."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 code: str | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.status = status
+        self.code = code
 
     def to_body(self) -> ErrorResponse:
         return error_body(self.message, param=self.param)
@@ -338,19 +341,22 @@ def validate_completion_request(req: CompletionRequest, max_model_len: int) -> N
 
 
 def validate_prompt_len(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
-    """Reject a rendered prompt that leaves no room (413) or too little room (400) to generate."""
+    """Reject a rendered prompt that leaves no room, or too little room, to generate: a 400 with
+    OpenAI's code ``context_length_exceeded`` that names both numbers (what SDKs and agent
+    frameworks look for to trim a conversation)."""
     if num_prompt_tokens >= max_model_len:
         raise RequestValidationError(
             f"the prompt is {num_prompt_tokens} tokens, but the model's context length "
             f"(max_model_len) is {max_model_len} tokens; shorten the messages",
             "messages",
-            413,
+            code="context_length_exceeded",
         )
     if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
         raise RequestValidationError(
             f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds "
             f"max_model_len ({max_model_len}); lower max_tokens",
             "max_tokens",
+            code="context_length_exceeded",
         )
 
 
@@ -421,6 +427,10 @@ def _check_sampling(req: ChatCompletionRequest | CompletionRequest, max_model_le
     _check_range(req.top_p, "top_p", 0.0, 1.0, low_open=True)
     _check_range(req.presence_penalty, "presence_penalty", -2.0, 2.0)
     _check_range(req.frequency_penalty, "frequency_penalty", -2.0, 2.0)
+    if req.seed is not None and not SEED_MIN <= req.seed <= SEED_MAX:
+        raise RequestValidationError(
+            f"seed must be a 64-bit integer in [{SEED_MIN}, {SEED_MAX}], got {req.seed}", "seed"
+        )
     if req.top_k is not None and req.top_k < 0:
         raise RequestValidationError(
             f"top_k must be >= 0 (0 disables it), got {req.top_k}", "top_k"

@@ -1,8 +1,10 @@
-"""Operational routes: ``/health``, ``/v1/stats``, ``/metrics`` and ``/admin/shutdown``.
+"""Operational routes: ``/health``, ``/v1/stats``, ``/metrics``, ``/admin/integrity`` and
+``/admin/shutdown``.
 
-Invariant: none of these waits on the engine thread — they read the engine's latest stats
-snapshot — so monitoring answers at once even while a long prefill is running. ``/health`` is
+Invariant: none of these waits on the engine thread — they read the engine's latest stats and
+pin snapshots — so monitoring answers at once even while a long prefill is running. ``/health`` is
 503 until the model is loaded (and after a failed load), 200 once requests can be served.
+``/admin/integrity`` is the exception: it checks the pool on the engine thread, between steps.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from litestar.datastructures import State
 from agentd import __version__
 from agentd.server.metrics import CONTENT_TYPE
 from agentd.server.state import require_api_key, server_of
+from agentd.server.stats import stats_report
 
 
 @get("/health", summary="Readiness: 200 when the model is loaded, 503 before",
@@ -41,18 +44,30 @@ class AdminController(Controller):
     guards = [require_api_key]
     tags = ["Admin"]
 
-    @get("/v1/stats", summary="Engine and pool statistics", sync_to_thread=False)
+    @get("/v1/stats", summary="Engine, pool, cache-hit, TTFT and pin statistics",
+         sync_to_thread=False)
     def stats(self, state: State) -> dict[str, Any]:
         server = server_of(state)
         engine = server.require_engine()
+        pins = server.require_pins()
         return {
             "model": engine.model_name,
             "max_model_len": engine.max_model_len,
+            "block_size": engine.engine.config.block_size,
             "uptime_s": round(server.uptime_s, 3),
             "pid": server.pid,
             "version": __version__,
-            **dataclasses.asdict(engine.stats()),
+            **stats_report(engine.stats(), engine.pin_summary(), server.metrics.recent,
+                           pins.restore_report, pins.last_persist_error),
         }
+
+    @get("/admin/integrity", summary="Check the KV block pool's invariants (debugging)")
+    async def integrity(self, state: State) -> dict[str, Any]:
+        """Runs ``check_integrity()`` and a reference audit on the engine thread between steps:
+        ``ok`` false names the first violation. Idle means ``num_blocks_used == num_blocks_pinned``
+        and no requests or streams."""
+        engine = server_of(state).require_engine()
+        return dataclasses.asdict(await engine.check_integrity())
 
     @post("/admin/shutdown", status_code=202, summary="Stop the daemon gracefully",
           sync_to_thread=False)

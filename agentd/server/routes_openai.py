@@ -2,7 +2,8 @@
 
 Invariant: handlers only validate, call the engine client and shape the reply; everything about
 prompts and output parsing lives in ``serving_chat`` / ``serving_completion``. A non-streamed
-request whose client disconnects is aborted like a streamed one.
+request whose client disconnects is aborted like a streamed one. Requests are submitted before
+the reply starts, so a full queue is a 503 with ``Retry-After`` for streams too.
 """
 
 from __future__ import annotations
@@ -26,10 +27,15 @@ from agentd.server.protocol import (
     ModelCard,
     ModelList,
 )
-from agentd.server.serving import event_stream, submit, until_disconnect
+from agentd.server.serving import (
+    effective_cache_salt,
+    event_stream,
+    submit,
+    until_disconnect,
+)
 from agentd.server.serving_chat import complete_chat, plan_chat, stream_chat
 from agentd.server.serving_completion import complete_text, plan_completion, stream_text
-from agentd.server.state import require_api_key, server_of
+from agentd.server.state import cache_tenant, require_api_key, server_of
 
 _STREAM_NOTE = ("With `stream: true` the reply is `text/event-stream`: `data: {chunk}` events "
                 "and a final `data: [DONE]`.")
@@ -37,8 +43,8 @@ _STREAM_NOTE = ("With `stream: true` the reply is `text/event-stream`: `data: {c
 _ERRORS = {status: ResponseSpec(data_container=ErrorResponse, description=description)
            for status, description in (
                (400, "Bad request (OpenAI error envelope)"), (401, "Missing or wrong API key"),
-               (404, "Unknown model"), (413, "Prompt over the context, or body too large"),
-               (503, "Model loading or server shutting down"))}
+               (404, "Unknown model"), (413, "Request body too large"),
+               (503, "Model loading, server busy (see Retry-After) or shutting down"))}
 ChatBody = Annotated[ChatCompletionRequest, Body(description="An OpenAI chat request.")]
 CompletionBody = Annotated[CompletionRequest, Body(description="An OpenAI completion request.")]
 
@@ -57,11 +63,12 @@ class OpenAIController(Controller):
         model = server.check_model(data.model)
         plan = plan_chat(data, engine, model, int(time.time()))
         on_finish = partial(server.metrics.observe_finished, model)
-        open_deltas = partial(submit, engine, plan.prompt_token_ids, plan.params,
-                              plan.request_id, plan.cache_salt)
+        deltas = submit(engine, plan.prompt_token_ids, plan.params, plan.request_id,
+                        effective_cache_salt(cache_tenant(request), plan.cache_salt),
+                        server.max_in_flight(engine))
         if data.stream:
-            return event_stream(stream_chat(plan, open_deltas, on_finish))
-        return await until_disconnect(request, complete_chat(plan, open_deltas(), on_finish))
+            return event_stream(stream_chat(plan, deltas, on_finish))
+        return await until_disconnect(request, complete_chat(plan, deltas, on_finish), deltas)
 
     @post("/completions", status_code=200, summary="Create a text completion",
           description=_STREAM_NOTE, responses=_ERRORS)
@@ -72,11 +79,12 @@ class OpenAIController(Controller):
         model = server.check_model(data.model)
         plan = plan_completion(data, engine, model, int(time.time()))
         on_finish = partial(server.metrics.observe_finished, model)
-        open_deltas = partial(submit, engine, plan.prompt_token_ids, plan.params,
-                              plan.request_id, plan.cache_salt)
+        deltas = submit(engine, plan.prompt_token_ids, plan.params, plan.request_id,
+                        effective_cache_salt(cache_tenant(request), plan.cache_salt),
+                        server.max_in_flight(engine))
         if data.stream:
-            return event_stream(stream_text(plan, open_deltas, on_finish))
-        return await until_disconnect(request, complete_text(plan, open_deltas(), on_finish))
+            return event_stream(stream_text(plan, deltas, on_finish))
+        return await until_disconnect(request, complete_text(plan, deltas, on_finish), deltas)
 
     @get("/models", summary="List the served model")
     async def models(self, state: State) -> ModelList:

@@ -3,13 +3,16 @@
 Invariants: the listening socket exists before the model starts loading, so a port in use fails
 at once and ``/health`` answers (503) during the load; the return value is the process's exit
 status: 0 after ``POST /admin/shutdown`` or SIGINT/SIGTERM, 1 when the model failed to load.
-Stopping gives in-flight requests ``shutdown_grace_s`` to finish, then aborts them.
+Stopping — by ``POST /admin/shutdown`` or a signal — gives in-flight requests
+``shutdown_grace_s`` to finish, then aborts them, each with a reply.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
+from collections.abc import Callable
+from types import FrameType
 
 import uvicorn
 
@@ -33,6 +36,19 @@ class _ExitStatus:
             self.server.should_exit = True  # uvicorn polls this flag; safe from any thread
 
 
+class _Server(uvicorn.Server):
+    """uvicorn, with SIGINT/SIGTERM taking the same graceful path as ``POST /admin/shutdown``
+    (requests still running near the end of the grace period are aborted with a reply)."""
+
+    def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_signal = on_signal
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        self._on_signal()
+
+
 def serve(config: EngineConfig, settings: ServerSettings, sock: socket.socket, *,
           log_level: str = "info", access_log: bool = True) -> int:
     """Serve until asked to stop; returns the exit status.
@@ -51,7 +67,7 @@ def serve(config: EngineConfig, settings: ServerSettings, sock: socket.socket, *
         timeout_graceful_shutdown=max(int(round(settings.shutdown_grace_s)), 1),
         timeout_keep_alive=5,
     )
-    server = uvicorn.Server(uv_config)
+    server = _Server(uv_config, on_signal=app.state.agentd.begin_shutdown)
     exit_status.server = server
     host, port = sock.getsockname()[:2]
     logger.info("agentd listening on http://%s:%d", _url_host(host), port)

@@ -3,7 +3,9 @@ watching for a client that goes away, and Server-Sent Events framing.
 
 Invariant: an engine stream is always either read to its last delta or closed, and closing it
 aborts the request (``AsyncEngine`` frees its blocks), so a client that disconnects — streaming
-or not — never leaves work behind.
+or not, before or after its first token — never leaves work behind. A request is submitted
+before the reply starts, so "busy" (503 + ``Retry-After``) is a real status, never an error
+inside a 200 stream.
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ import msgspec
 from litestar import Request
 from litestar.response import Stream
 
-from agentd.async_engine import AsyncEngine, EngineDeadError
+from agentd.async_engine import AsyncEngine, EngineBusyError, EngineDeadError, RequestStream
 from agentd.outputs import StreamDelta
 from agentd.sampling_params import SamplingParams
 from agentd.server.errors import APIError
 from agentd.server.protocol import Usage, error_body
 
 T = TypeVar("T")
+RETRY_AFTER_S = 1
 SSE_DONE = b"data: [DONE]\n\n"
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 _encoder = msgspec.json.Encoder()
@@ -35,14 +38,34 @@ def new_request_id(prefix: str) -> str:
 
 
 def submit(engine: AsyncEngine, prompt_token_ids: list[int], params: SamplingParams,
-           request_id: str, cache_salt: str | None) -> AsyncIterator[StreamDelta]:
-    """Queue the request; the engine's at-once rejections become OpenAI errors."""
+           request_id: str, cache_salt: str | None,
+           max_in_flight: int | None = None) -> RequestStream:
+    """Queue the request; the engine's at-once rejections become OpenAI errors (503 when
+    ``max_in_flight`` requests are in flight already, with ``Retry-After``)."""
     try:
-        return engine.add_request(prompt_token_ids, params, request_id, cache_salt)
+        return engine.add_request(prompt_token_ids, params, request_id, cache_salt,
+                                  max_in_flight)
+    except EngineBusyError as exc:
+        raise APIError(503, str(exc), code="server_busy",
+                       headers={"Retry-After": str(RETRY_AFTER_S)}) from exc
     except EngineDeadError as exc:
         raise APIError(503, str(exc)) from exc
     except ValueError as exc:
         raise APIError(400, str(exc)) from exc
+
+
+def effective_cache_salt(tenant: str | None, client_salt: str | None) -> str | None:
+    """The salt mixed into a request's first block hash (vLLM's ``cache_salt`` semantics).
+
+    Without a tenant (no keys, one key, or ``--shared-cache``) it is the client's salt as sent.
+    With per-key isolation every salt starts with the key's tenant id, so no client salt can
+    reach another tenant's blocks.
+    """
+    if tenant is None:
+        return client_salt
+    if client_salt is None:
+        return f"tenant:{tenant}"
+    return f"tenant:{tenant}|salt:{client_salt}"
 
 
 def delta_error(delta: StreamDelta) -> APIError:
@@ -54,6 +77,8 @@ def delta_error(delta: StreamDelta) -> APIError:
 def exception_error(exc: BaseException) -> APIError:
     if isinstance(exc, ValueError):
         return APIError(400, str(exc))
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc))
     return APIError(500, f"the engine failed the request: {exc}")
 
 
@@ -79,8 +104,10 @@ async def collect(deltas: AsyncIterator[StreamDelta]) -> Collected:
     return Collected("".join(pieces), last)
 
 
-async def until_disconnect(request: Request[Any, Any, Any], work: Awaitable[T]) -> T:
-    """Await ``work`` unless the client disconnects first; then cancel it (aborting the request).
+async def until_disconnect(request: Request[Any, Any, Any], work: Awaitable[T],
+                           deltas: RequestStream) -> T:
+    """Await ``work`` (which reads ``deltas``) unless the client disconnects first; then cancel
+    it. ``deltas`` is closed either way, so the request is aborted even if ``work`` never ran.
 
     The body has been read already, so the next ASGI message is ``http.disconnect``.
     """
@@ -91,8 +118,9 @@ async def until_disconnect(request: Request[Any, Any, Any], work: Awaitable[T]) 
     finally:
         watcher.cancel()
         if not task.done():
-            task.cancel()
-    if task.cancelled():
+            task.cancel()  # takes effect at the task's next step: it is not done yet below
+        await deltas.aclose()  # a no-op once the request finished
+    if not task.done() or task.cancelled():
         raise APIError(499, "the client closed the connection", code="client_closed_request")
     return task.result()
 

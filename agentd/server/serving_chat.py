@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from agentd.async_engine import AsyncEngine
+from agentd.async_engine import AsyncEngine, RequestStream
 from agentd.chat import forced_function_name, render_chat, template_supports_tools
 from agentd.outputs import StreamDelta
 from agentd.sampling_params import SamplingParams
@@ -54,7 +54,6 @@ from agentd.server.serving import (
 from agentd.server.tool_calls import CallPiece, ToolCallAssembler, ToolMode, forced_call_prefix
 
 OnFinish = Callable[[StreamDelta, str], None]
-OpenDeltas = Callable[[], AsyncIterator[StreamDelta]]
 
 
 @dataclass(frozen=True)
@@ -74,7 +73,7 @@ class ChatPlan:
 
 def plan_chat(req: ChatCompletionRequest, engine: AsyncEngine, model: str,
               created: int) -> ChatPlan:
-    """Validate ``req`` and render it to token ids; raises OpenAI-shaped 400/413 errors."""
+    """Validate ``req`` and render it to token ids; raises OpenAI-shaped 400 errors."""
     validate_chat_request(req, engine.max_model_len)
     inputs = to_template_inputs(req)
     tokenizer = engine.tokenizer
@@ -128,12 +127,10 @@ async def complete_chat(plan: ChatPlan, deltas: AsyncIterator[StreamDelta],
     )
 
 
-async def stream_chat(plan: ChatPlan, open_deltas: OpenDeltas,
+async def stream_chat(plan: ChatPlan, deltas: RequestStream,
                       on_finish: OnFinish) -> AsyncIterator[bytes]:
-    """SSE chunks for one generation. Closing this generator early aborts the request.
-
-    The request is submitted only once the response body starts, so a client gone before then
-    costs nothing.
+    """SSE chunks for one submitted generation. Closing this generator early aborts the
+    request; so does dropping it unstarted (``RequestStream`` aborts when garbage-collected).
     """
 
     def chunk(delta: DeltaMessage, finish_reason: str | None = None) -> bytes:
@@ -142,10 +139,8 @@ async def stream_chat(plan: ChatPlan, open_deltas: OpenDeltas,
                                        model=plan.model, choices=[choice]))
 
     assembler = ToolCallAssembler(plan.tool_mode, plan.forced_prefix)
-    deltas: AsyncIterator[StreamDelta] | None = None
     try:
         yield chunk(DeltaMessage(role="assistant", content=""))
-        deltas = open_deltas()
         last: StreamDelta | None = None
         async for delta in deltas:
             last = delta
@@ -169,8 +164,7 @@ async def stream_chat(plan: ChatPlan, open_deltas: OpenDeltas,
     except (ValueError, RuntimeError) as exc:
         yield sse_error(exception_error(exc))
     finally:
-        if deltas is not None:
-            await deltas.aclose()  # type: ignore[attr-defined]  # aborts it if unfinished
+        await deltas.aclose()  # aborts it if unfinished
     yield SSE_DONE
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from agentd.async_engine import AsyncEngine
+from agentd.async_engine import AsyncEngine, RequestStream
 from agentd.outputs import StreamDelta
 from agentd.sampling_params import SamplingParams
 from agentd.server.errors import APIError
@@ -38,7 +38,6 @@ from agentd.server.serving import (
 # OpenAI's default for the legacy endpoint; chat completions default to "until the end".
 DEFAULT_MAX_TOKENS = 16
 OnFinish = Callable[[StreamDelta, str], None]
-OpenDeltas = Callable[[], AsyncIterator[StreamDelta]]
 
 
 @dataclass(frozen=True)
@@ -55,7 +54,7 @@ class CompletionPlan:
 
 def plan_completion(req: CompletionRequest, engine: AsyncEngine, model: str,
                     created: int) -> CompletionPlan:
-    """Validate ``req`` and tokenize its prompt; raises OpenAI-shaped 400/413 errors."""
+    """Validate ``req`` and tokenize its prompt; raises OpenAI-shaped 400 errors."""
     validate_completion_request(req, engine.max_model_len)
     prompt = req.prompt
     if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
@@ -67,6 +66,9 @@ def plan_completion(req: CompletionRequest, engine: AsyncEngine, model: str,
         prompt_text = prompt
     else:
         prompt_token_ids = [int(t) for t in prompt]  # type: ignore[arg-type]
+        if any(not 0 <= t < engine.vocab_size for t in prompt_token_ids):
+            raise APIError(400, f"prompt token ids must be in [0, {engine.vocab_size})",
+                           param="prompt")
         prompt_text = engine.tokenizer.decode(prompt_token_ids) if req.echo else ""
     try:
         params = to_sampling_params(req, DEFAULT_MAX_TOKENS)
@@ -98,12 +100,10 @@ async def complete_text(plan: CompletionPlan, deltas: AsyncIterator[StreamDelta]
                       choices=[choice], usage=usage_of(got.last))
 
 
-async def stream_text(plan: CompletionPlan, open_deltas: OpenDeltas,
+async def stream_text(plan: CompletionPlan, deltas: RequestStream,
                       on_finish: OnFinish) -> AsyncIterator[bytes]:
-    """SSE chunks for one generation. Closing this generator early aborts the request.
-
-    The request is submitted only once the response body starts, so a client gone before then
-    costs nothing.
+    """SSE chunks for one submitted generation. Closing this generator early aborts the
+    request; so does dropping it unstarted (``RequestStream`` aborts when garbage-collected).
     """
 
     def chunk(text: str, finish_reason: str | None = None) -> bytes:
@@ -111,11 +111,9 @@ async def stream_text(plan: CompletionPlan, open_deltas: OpenDeltas,
         return sse(CompletionChunk(id=plan.request_id, created=plan.created, model=plan.model,
                                    choices=[choice]))
 
-    deltas: AsyncIterator[StreamDelta] | None = None
     try:
         if plan.echo_text:
             yield chunk(plan.echo_text)
-        deltas = open_deltas()
         last: StreamDelta | None = None
         async for delta in deltas:
             last = delta
@@ -136,6 +134,5 @@ async def stream_text(plan: CompletionPlan, open_deltas: OpenDeltas,
     except (ValueError, RuntimeError) as exc:
         yield sse_error(exception_error(exc))
     finally:
-        if deltas is not None:
-            await deltas.aclose()  # type: ignore[attr-defined]  # aborts it if unfinished
+        await deltas.aclose()  # aborts it if unfinished
     yield SSE_DONE

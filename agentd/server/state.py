@@ -1,14 +1,20 @@
-"""What a running server holds: its settings, the engine once it is loaded, and its metrics.
+"""What a running server holds: its settings, the engine once it is loaded, its pins and metrics.
 
 Invariants: handlers reach the engine only through ``ServerState.require_engine()``, which answers
 503 while the model loads, after a failed load and during shutdown, so no handler ever sees a
-half-built engine. The server shuts down only an engine it loaded itself; an engine passed in by
-the caller is started if needed and left running for its owner. Every /v1 and /admin route is
-behind the API-key guard when keys are set; /health and /metrics stay open.
+half-built engine. Pins registered before a restart are restored (from their KV snapshots, or
+recomputed) before the engine is published, so ``/health`` turns 200 only once they hit. The
+server shuts down only an engine it loaded itself; an engine passed in by the caller is started
+if needed and left running for its owner. Every /v1 and /admin route is
+behind the API-key guard when keys are set; /health and /metrics stay open. With two or more keys
+(and no ``shared_cache``) the guard tags each request with its key's tenant id, which the handlers
+mix into the cache salt, so tenants never share KV blocks.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import hmac
 import logging
 import os
@@ -16,6 +22,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from litestar.connection import ASGIConnection
@@ -28,6 +35,7 @@ from agentd.server.metrics import EngineSnapshot, ServerMetrics
 
 if TYPE_CHECKING:
     from agentd.async_engine import AsyncEngine
+    from agentd.pin_service import PinService
 
 logger = logging.getLogger("agentd.server")
 _LOAD_JOIN_TIMEOUT_S = 300.0
@@ -40,6 +48,9 @@ class ServerSettings:
     api_keys: tuple[str, ...] = ()
     max_request_body_bytes: int = 16 * 2**20
     shutdown_grace_s: float = 10.0
+    max_queue: int = 256  # requests that may wait beyond a full batch; then 503 + Retry-After
+    shared_cache: bool = False  # with several keys, let tenants share cached prefixes (and pins)
+    state_dir: Path | None = None  # pins.json and KV snapshots; None keeps pins in memory only
 
     def __post_init__(self) -> None:
         if self.max_request_body_bytes < 1024:
@@ -48,6 +59,13 @@ class ServerSettings:
             raise ValueError("shutdown_grace_s must be >= 0")
         if any(not key for key in self.api_keys):
             raise ValueError("API keys must be non-empty")
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, not {self.max_queue}")
+
+    @property
+    def per_key_cache(self) -> bool:
+        """Each API key gets its own cache salt: two or more keys and no ``shared_cache``."""
+        return len(self.api_keys) >= 2 and not self.shared_cache
 
 
 class ServerState:
@@ -60,6 +78,7 @@ class ServerState:
         self.settings = settings
         self.engine = engine
         self.owns_engine = engine is None
+        self.pins: PinService | None = None
         self.load_error: str | None = None
         self.closing = False
         self.started_s = time.monotonic()
@@ -76,6 +95,7 @@ class ServerState:
         """Start the given engine, or load one in a background thread (``/health`` says 503)."""
         if self.engine is not None:
             self.engine.start()
+            self.pins = self._pin_service(self.engine)
             return
         self._loader = threading.Thread(target=self._load, name="agentd-loader", daemon=True)
         self._loader.start()
@@ -94,20 +114,61 @@ class ServerState:
         if self.closing:
             return
         engine.start()
+        pins = self._pin_service(engine)
+        asyncio.run(self.restore_pins(pins))  # a private loop: pins hit before we say ready
+        self.pins = pins
         self.engine = engine
         logger.info("ready: model %s, max_model_len %d", engine.model_name, engine.max_model_len)
+
+    def _pin_service(self, engine: AsyncEngine) -> PinService:
+        from agentd.pin_service import PinService
+
+        return PinService(engine, self.settings.state_dir)
+
+    async def restore_pins(self, pins: PinService) -> None:
+        """Re-pin what ``pins.json`` lists; log each pin's restore vs its first prefill."""
+        started = time.monotonic()
+        try:
+            report = await pins.restore_all()
+        except Exception:  # serve without the saved pins rather than never turn ready
+            logger.exception("could not restore the saved pins")
+            return
+        for entry in report:
+            if "error" in entry:
+                continue
+            logger.info("pin %s: %d tokens restored by %s in %.3f s (its prefill took %s)",
+                        entry["name"], entry["num_tokens"], entry["source"], entry["elapsed_s"],
+                        "?" if entry.get("prefill_s") is None else f"{entry['prefill_s']:.3f} s")
+        if report:
+            logger.info("restored %d of %d pins in %.3f s",
+                        sum("error" not in e for e in report), len(report),
+                        time.monotonic() - started)
+
+    async def expire_pins_forever(self, period_s: float = 1.0) -> None:
+        """Forget (in pins.json too) pins whose TTL lapsed; runs for the app's lifetime."""
+        while True:
+            await asyncio.sleep(period_s)
+            engine, pins = self.engine, self.pins
+            if engine is None or pins is None or self.closing:
+                continue
+            if engine.pin_summary().expired:
+                try:
+                    await pins.sync_expired()
+                except Exception:  # a dead engine is reported by /health, not here
+                    logger.debug("could not sync expired pins", exc_info=True)
 
     def begin_shutdown(self) -> None:
         """Ask the server to exit; requests still running after the grace period are aborted.
 
         uvicorn stops taking connections and waits for open ones; aborting our own requests
-        just before its timeout lets every stream end cleanly (finish_reason "abort", [DONE])
-        instead of being cut off.
+        before its timeout lets every stream end cleanly (finish_reason "abort", [DONE]) and
+        every other request get a reply, instead of being cut off with uvicorn's plain-text 500.
+        Signals (SIGINT/SIGTERM) come here too (see ``agentd.server.serve``).
         """
         self.request_exit(0)
         if self.owns_engine and self._abort_timer is None:
-            self._abort_timer = threading.Timer(max(self.settings.shutdown_grace_s - 0.5, 0.0),
-                                                self.close)
+            grace_s = self.settings.shutdown_grace_s
+            self._abort_timer = threading.Timer(grace_s - _abort_margin_s(grace_s), self.close)
             self._abort_timer.daemon = True
             self._abort_timer.start()
 
@@ -120,7 +181,8 @@ class ServerState:
                 logger.info("waiting for the model load to finish before exiting")
                 self._loader.join(_LOAD_JOIN_TIMEOUT_S)
             if self.engine is not None and self.owns_engine:
-                self.engine.shutdown(self.settings.shutdown_grace_s)
+                grace_s = self.settings.shutdown_grace_s
+                self.engine.shutdown(grace_s, drain_s=_abort_margin_s(grace_s) / 2)
 
     # --- what handlers ask -----------------------------------------------------------------
     @property
@@ -147,6 +209,11 @@ class ServerState:
         raise APIError(503, message, code=f"model_{status}" if status != "error" else None,
                        headers={"Retry-After": "1"} if status == "loading" else None)
 
+    def require_pins(self) -> PinService:
+        self.require_engine()
+        assert self.pins is not None  # set before the engine is published
+        return self.pins
+
     def check_model(self, model: str | None) -> str:
         """The served model name; 404 if the request names another model."""
         engine = self.require_engine()
@@ -156,9 +223,21 @@ class ServerState:
                            code="model_not_found")
         return engine.model_name
 
+    def max_in_flight(self, engine: AsyncEngine) -> int:
+        """Requests that may be in flight at once: a full batch plus ``max_queue`` waiting."""
+        return engine.max_num_seqs + self.settings.max_queue
+
     def _stats_snapshot(self) -> EngineSnapshot | None:
         engine = self.engine
-        return None if engine is None else EngineSnapshot(engine.model_name, engine.stats())
+        if engine is None:
+            return None
+        return EngineSnapshot(engine.model_name, engine.stats(), engine.pin_summary())
+
+
+def _abort_margin_s(grace_s: float) -> float:
+    """How long before uvicorn's own shutdown timeout our requests are aborted: half of it for
+    the engine to end its current step, half for the handlers to send their replies."""
+    return min(2.0, grace_s / 2)
 
 
 def server_of(state: State) -> ServerState:
@@ -167,14 +246,30 @@ def server_of(state: State) -> ServerState:
 
 
 def require_api_key(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
-    """Litestar guard: when API keys are set, ``Authorization: Bearer <key>`` must match one."""
-    keys = connection.app.state.agentd.settings.api_keys
+    """Litestar guard: when API keys are set, ``Authorization: Bearer <key>`` must match one.
+
+    With per-key caches, the matching key's tenant id goes to ``connection.state.cache_tenant``.
+    """
+    settings: ServerSettings = connection.app.state.agentd.settings
+    keys = settings.api_keys
     if not keys:
         return
     scheme, _sep, token = connection.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not any(
-        hmac.compare_digest(token.strip().encode(), key.encode()) for key in keys
-    ):
+    given = token.strip().encode()
+    matched = [key for key in keys if hmac.compare_digest(given, key.encode())]
+    if scheme.lower() != "bearer" or not matched:
         raise APIError(401, "missing or incorrect API key; send 'Authorization: Bearer <key>' "
                        "with a key given to `agentd start --api-key`",
                        headers={"WWW-Authenticate": "Bearer"})
+    if settings.per_key_cache:
+        connection.state.cache_tenant = tenant_of(matched[0])
+
+
+def tenant_of(api_key: str) -> str:
+    """A stable, non-reversible id for an API key (the key itself never reaches the cache)."""
+    return hashlib.sha256(api_key.encode()).hexdigest()[:32]
+
+
+def cache_tenant(connection: ASGIConnection[Any, Any, Any, Any]) -> str | None:
+    """The tenant id the guard set, or None when tenants share the cache."""
+    return getattr(connection.state, "cache_tenant", None)

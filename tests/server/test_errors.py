@@ -1,6 +1,7 @@
 """Every rejected request gets the OpenAI error envelope with the right status: 400 for what the
-client must fix (never a silent ignore), 401 without the API key, 404 for an unknown model or
-route, 413 for a prompt over the context or a body over the limit."""
+client must fix (never a silent ignore) — a prompt over the context included, with OpenAI's
+``context_length_exceeded`` code —, 401 without the API key, 404 for an unknown model or route,
+413 for a body over the limit."""
 
 from __future__ import annotations
 
@@ -86,13 +87,14 @@ def test_unknown_model_and_route_are_404(client: TestClient) -> None:
     assert_openai_error(client.get("/v1/nothing-here"), 404)
 
 
-def test_prompt_over_the_context_is_413(client: TestClient) -> None:
+def test_prompt_over_the_context_is_400_context_length_exceeded(client: TestClient) -> None:
     long_text = "cache " * 5000  # > 4096 tokens
     error = assert_openai_error(client.post("/v1/chat/completions", json={
-        "messages": [{"role": "user", "content": long_text}]}), 413)
-    assert "max_model_len" in error["message"]
-    error = assert_openai_error(client.post("/v1/completions", json={"prompt": long_text}), 413)
-    assert error["param"] == "prompt"
+        "messages": [{"role": "user", "content": long_text}]}), 400)
+    assert "max_model_len" in error["message"] and "4096" in error["message"]
+    assert error["code"] == "context_length_exceeded"
+    error = assert_openai_error(client.post("/v1/completions", json={"prompt": long_text}), 400)
+    assert error["param"] == "prompt" and error["code"] == "context_length_exceeded"
 
 
 @pytest.fixture

@@ -266,7 +266,8 @@ def test_prompt_len_checks() -> None:
     validate_prompt_len(100, 28, 128)
     with pytest.raises(RequestValidationError) as too_long:
         validate_prompt_len(128, None, 128)
-    assert too_long.value.status == 413 and "max_model_len" in too_long.value.message
+    assert too_long.value.status == 400 and too_long.value.code == "context_length_exceeded"
+    assert "128 tokens" in too_long.value.message and "max_model_len" in too_long.value.message
     with pytest.raises(RequestValidationError) as no_room:
         validate_prompt_len(100, 29, 128)
     assert no_room.value.status == 400 and no_room.value.param == "max_tokens"

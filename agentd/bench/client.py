@@ -1,0 +1,215 @@
+"""Streaming OpenAI calls for the benchmark, and what the server is (agentd or another one).
+
+TTFT is the time from sending a request to the first chunk that carries content or a tool call
+(the role chunk a server sends at once does not count). Output tokens and cached prompt tokens
+come from the usage chunk (``stream_options.include_usage``); a server that sends no usage has
+its output tokens counted as content chunks and its cached tokens left unknown (None).
+
+Invariants: the client only reads the server, except for the pins it creates (and deletes);
+every failure a user can fix (nothing listening, a missing key, an unknown model, an error
+reply) is a ``BenchError`` whose message says what to do. For a server that rejects agentd's
+request extensions (``ignore_eos``, ``cache_salt``) the first 400 turns ``ignore_eos`` off
+for the rest of the run and the request is sent again.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+
+from agentd.bench.workload import Message, Namespace
+
+
+class BenchError(Exception):
+    """A benchmark failure the user can act on."""
+
+
+@dataclass
+class RequestResult:
+    phase: str
+    ttft_s: float | None  # None: the reply had no content or tool call
+    e2e_s: float
+    prompt_tokens: int
+    cached_tokens: int | None  # None: the server does not report it
+    output_tokens: int
+    start_s: float  # perf_counter at send, to order and window requests
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    kind: str  # "agentd" or "openai"
+    root_url: str
+    model: str
+    pid: int | None
+    version: str | None
+    max_model_len: int | None
+    num_blocks_total: int | None
+    block_size: int
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """(root URL, OpenAI base URL) from a URL given with or without ``/v1``."""
+    url = url.rstrip("/")
+    root = url[: -len("/v1")] if url.endswith("/v1") else url
+    return root, root + "/v1"
+
+
+def is_local(url: str) -> bool:
+    host = urlsplit(url).hostname or ""
+    return host in ("localhost", "::1", "0.0.0.0") or host.startswith("127.")
+
+
+class BenchClient:
+    def __init__(self, url: str, api_key: str | None, timeout_s: float = 1800.0) -> None:
+        self.root_url, self.base_url = split_url(url)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        timeout = httpx.Timeout(timeout_s, connect=10.0)
+        self._http = httpx.AsyncClient(headers=headers, timeout=timeout, trust_env=False,
+                                       limits=httpx.Limits(max_connections=512))
+        self.send_ignore_eos = True
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def _request(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
+        try:
+            return await self._http.request(method, url, **kwargs)
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            raise BenchError(f"nothing answers at {self.root_url}; start a daemon with "
+                             "`agentd start` or pass --url") from exc
+        except httpx.TransportError as exc:
+            raise BenchError(f"{method} {url} failed: {exc!r}") from exc
+
+    async def get_json(self, path: str, root: bool = False) -> Any | None:
+        """The JSON of a successful GET, or None when the reply is an error or not JSON."""
+        base = self.root_url if root else self.base_url
+        response = await self._request("GET", base + path)
+        if response.status_code == 401:
+            raise BenchError(f"{self.root_url} wants an API key; pass --api-key or set "
+                             "AGENTD_API_KEY / OPENAI_API_KEY")
+        if response.is_error:
+            return None
+        try:
+            return response.json()
+        except ValueError:
+            return None
+
+    async def detect(self, model: str | None, force_openai: bool) -> ServerInfo:
+        """agentd when ``/health`` names a pid and version and ``/v1/stats`` answers."""
+        models = await self.get_json("/models")
+        if not models or not models.get("data"):
+            raise BenchError(f"{self.base_url}/models lists no models; is {self.root_url} an "
+                             "OpenAI-compatible server?")
+        cards = {card["id"]: card for card in models["data"]}
+        name = model or next(iter(cards))
+        if model is not None and model not in cards:
+            raise BenchError(f"the server serves {', '.join(cards)}, not {model}; pass one of "
+                             "those to --model")
+        health = None if force_openai else await self.get_json("/health", root=True)
+        stats = await self.get_json("/stats") if isinstance(health, dict) else None
+        agentd = (isinstance(health, dict) and "pid" in health and "version" in health
+                  and isinstance(stats, dict))
+        if not agentd:
+            return ServerInfo("openai", self.root_url, name, None, None,
+                              cards[name].get("max_model_len"), None, 16)
+        return ServerInfo("agentd", self.root_url, name, health["pid"], health["version"],
+                          stats.get("max_model_len") or cards[name].get("max_model_len"),
+                          stats.get("num_blocks_total"), stats.get("block_size") or 16)
+
+    async def stats(self) -> dict[str, Any] | None:
+        return await self.get_json("/stats")
+
+    async def create_pin(self, name: str, system: str,
+                         tools: list[dict[str, Any]]) -> dict[str, Any] | str:
+        """The pin's description, or why the server refused it."""
+        body = {"name": name, "system": system, "tools": tools or None}
+        response = await self._request("POST", self.base_url + "/pins", json=body)
+        if response.status_code in (404, 405):
+            return "this agentd has no /v1/pins endpoint"
+        if response.is_error:
+            return f"pinning failed: {error_message(response)}"
+        return response.json()
+
+    async def delete_pin(self, name: str) -> None:
+        await self._request("DELETE", f"{self.base_url}/pins/{name}")
+
+    async def chat(self, phase: str, model: str, messages: list[Message],
+                   tools: list[dict[str, Any]], namespace: Namespace,
+                   max_tokens: int) -> RequestResult:
+        """One streamed chat completion, greedy, measured."""
+        body: dict[str, Any] = {
+            "model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True},
+        }
+        if tools:
+            body["tools"] = tools
+        if namespace.salt is not None:
+            body["cache_salt"] = namespace.salt
+        if self.send_ignore_eos:
+            body["ignore_eos"] = True
+        try:
+            return await self._stream(phase, body)
+        except _Rejected as exc:
+            if not self.send_ignore_eos or "cache_salt" in body:
+                raise BenchError(f"{phase} request failed: {exc}") from exc
+            self.send_ignore_eos = False  # a strict server: retry with standard fields only
+            del body["ignore_eos"]
+            try:
+                return await self._stream(phase, body)
+            except _Rejected as again:
+                raise BenchError(f"{phase} request failed: {again}") from again
+
+    async def _stream(self, phase: str, body: dict[str, Any]) -> RequestResult:
+        start = time.perf_counter()
+        ttft: float | None = None
+        usage: dict[str, Any] = {}
+        num_chunks = 0
+        try:
+            async with self._http.stream("POST", self.base_url + "/chat/completions",
+                                         json=body) as reply:
+                if reply.status_code == 400:
+                    raise _Rejected(error_message(reply, await reply.aread()))
+                if reply.is_error:
+                    raise BenchError(f"{phase} request failed: "
+                                     f"{error_message(reply, await reply.aread())}")
+                async for line in reply.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[len("data: "):])
+                    if "error" in chunk:
+                        raise BenchError(f"{phase} request failed mid-stream: {chunk['error']}")
+                    usage = chunk.get("usage") or usage
+                    choices = chunk.get("choices") or [{}]
+                    delta = choices[0].get("delta") or {}
+                    if delta.get("content") or delta.get("tool_calls"):
+                        num_chunks += 1
+                        if ttft is None:
+                            ttft = time.perf_counter() - start
+        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
+            raise BenchError(f"nothing answers at {self.root_url} any more") from exc
+        except httpx.TransportError as exc:
+            raise BenchError(f"{phase} request failed: {exc!r}") from exc
+        details = usage.get("prompt_tokens_details") or {}
+        cached = details.get("cached_tokens")
+        return RequestResult(phase=phase, ttft_s=ttft, e2e_s=time.perf_counter() - start,
+                             prompt_tokens=usage.get("prompt_tokens", 0),
+                             cached_tokens=int(cached) if cached is not None else None,
+                             output_tokens=usage.get("completion_tokens", num_chunks),
+                             start_s=start)
+
+
+class _Rejected(Exception):
+    """A 400 reply: maybe only our extensions, so the caller may retry without them."""
+
+
+def error_message(response: httpx.Response, body: bytes | None = None) -> str:
+    raw = body if body is not None else response.content
+    try:
+        return str(json.loads(raw)["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return f"HTTP {response.status_code}: {raw[:300].decode(errors='replace')}"

@@ -1,0 +1,77 @@
+"""Peak resident memory of a process on this machine, sampled from ``/proc/<pid>/status``.
+
+Invariant: a sampler never fails the benchmark — a process it cannot read (gone, another user's,
+not Linux) just yields no figure (None). ``peak_rss_bytes`` is the highest VmRSS seen since the
+last ``reset``; ``hwm_bytes`` is the kernel's lifetime high-water mark (VmHWM), which includes
+whatever the process did before the benchmark (loading the model, earlier runs).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+SAMPLE_INTERVAL_S = 0.2
+
+
+def read_status_bytes(pid: int, field: str) -> int | None:
+    """A ``kB`` field of ``/proc/<pid>/status`` in bytes, or None when unreadable."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+class RssSampler:
+    """Samples a pid's VmRSS every 0.2 s on a daemon thread while started."""
+
+    def __init__(self, pid: int | None) -> None:
+        self.pid = pid if pid is not None and read_status_bytes(pid, "VmRSS") else None
+        self._peak: int | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def self_process(cls) -> RssSampler:
+        return cls(os.getpid())
+
+    def start(self) -> None:
+        if self.pid is None or self._thread is not None:
+            return
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="agentd-bench-rss", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+        self.sample()
+
+    def reset(self) -> None:
+        self._peak = None
+        self.sample()
+
+    def sample(self) -> None:
+        if self.pid is None:
+            return
+        rss = read_status_bytes(self.pid, "VmRSS")
+        if rss is not None and (self._peak is None or rss > self._peak):
+            self._peak = rss
+
+    @property
+    def peak_rss_bytes(self) -> int | None:
+        return self._peak
+
+    @property
+    def hwm_bytes(self) -> int | None:
+        return read_status_bytes(self.pid, "VmHWM") if self.pid is not None else None
+
+    def _loop(self) -> None:
+        while not self._stop.wait(SAMPLE_INTERVAL_S):
+            self.sample()

@@ -1,0 +1,147 @@
+"""Pins over HTTP: ``POST /v1/pins``, ``GET /v1/pins``, ``GET|DELETE /v1/pins/{name}``.
+
+Invariants: a pin's tools are decoded through the same ``Tool`` Struct as a chat request's, so
+the pin renders exactly the tokens real requests with those tools render; a refused pin (bad
+body or longer than the context 400, name taken 409, over the pin budget 409) changes nothing
+and answers the OpenAI error envelope; ``POST`` answers only once the prefix is prefilled and
+its blocks are pinned.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated
+
+import msgspec
+from litestar import Controller, delete, get, post
+from litestar.datastructures import State
+from litestar.openapi import ResponseSpec
+from litestar.params import Body, FromPath
+
+from agentd.cache import PinBudgetError, PinError, PinExistsError, PinNotFoundError
+from agentd.config import parse_duration
+from agentd.pin_service import PinSpec, PinTooLongError
+from agentd.server.errors import APIError
+from agentd.server.protocol import ErrorResponse, Tool, _check_tools
+from agentd.server.state import require_api_key, server_of
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_CODES = {PinExistsError: "pin_exists", PinNotFoundError: "pin_not_found",
+          PinBudgetError: "pin_budget_exceeded", PinTooLongError: "context_length_exceeded"}
+_ERRORS = {status: ResponseSpec(data_container=ErrorResponse, description=description)
+           for status, description in (
+               (400, "Bad request (OpenAI error envelope)"), (401, "Missing or wrong API key"),
+               (404, "No such pin"), (409, "Name taken, or over the pin budget"),
+               (503, "Model loading or server shutting down"))}
+
+
+class PinCreateRequest(msgspec.Struct, kw_only=True):
+    """A prefix to pin: a system prompt and, optionally, OpenAI-format tools."""
+
+    name: str
+    system: str
+    tools: list[Tool] | None = None
+    ttl: float | str | None = None  # seconds, or a duration such as "90s", "15m", "1h"
+
+
+class PinInfo(msgspec.Struct, kw_only=True):
+    name: str
+    num_tokens: int
+    num_blocks: int
+    created: int
+    ttl: float | None
+    hits: int
+    tokens_served: int
+    idle_s: float
+    num_tools: int = 0
+    prefill_s: float | None = None
+    restore_s: float | None = None
+    object: str = "pin"
+
+
+class PinCreated(PinInfo, kw_only=True):
+    restored: bool = False
+
+
+class PinList(msgspec.Struct, kw_only=True):
+    data: list[PinInfo]
+    object: str = "list"
+
+
+class PinDeleted(msgspec.Struct, kw_only=True):
+    name: str
+    deleted: bool = True
+    object: str = "pin.deleted"
+
+
+CreateBody = Annotated[PinCreateRequest, Body(description="The prefix to pin.")]
+
+
+class PinsController(Controller):
+    path = "/v1/pins"
+    guards = [require_api_key]
+    tags = ["Pins"]
+
+    @post("/", status_code=201, summary="Pin a system prompt (+ tools): prefill it and hold it",
+          responses=_ERRORS)
+    async def create(self, data: CreateBody, state: State) -> PinCreated:
+        pins = server_of(state).require_pins()
+        spec = _to_spec(data)
+        try:
+            info = await pins.add(spec)
+        except PinError as exc:
+            raise _pin_error(exc, param="name") from exc
+        return PinCreated(**info)
+
+    @get("/", summary="List pins", responses=_ERRORS)
+    async def list_pins(self, state: State) -> PinList:
+        pins = server_of(state).require_pins()
+        return PinList(data=[PinInfo(**info) for info in await pins.list()])
+
+    @get("/{name:str}", summary="One pin", responses=_ERRORS)
+    async def get_pin(self, name: FromPath[str], state: State) -> PinInfo:
+        pins = server_of(state).require_pins()
+        try:
+            return PinInfo(**await pins.get(name))
+        except PinError as exc:
+            raise _pin_error(exc) from exc
+
+    @delete("/{name:str}", status_code=200, summary="Unpin: its blocks become ordinary LRU",
+            responses=_ERRORS)
+    async def delete_pin(self, name: FromPath[str], state: State) -> PinDeleted:
+        pins = server_of(state).require_pins()
+        try:
+            await pins.remove(name)
+        except PinError as exc:
+            raise _pin_error(exc) from exc
+        return PinDeleted(name=name)
+
+
+def _to_spec(data: PinCreateRequest) -> PinSpec:
+    if not _NAME.match(data.name):
+        raise APIError(400, "name must be 1-64 characters of a-z, A-Z, 0-9, '.', '_' or '-', "
+                       f"starting with a letter or digit; got {data.name!r}", param="name")
+    if not data.system.strip():
+        raise APIError(400, "system must be a non-empty system prompt", param="system")
+    tools = None
+    if data.tools:
+        _check_tools(data.tools)
+        tools = msgspec.to_builtins(data.tools)  # exactly what a chat request's tools become
+    return PinSpec(data.name, data.system, tools, _ttl_s(data.ttl))
+
+
+def _ttl_s(ttl: float | str | None) -> float | None:
+    if ttl is None:
+        return None
+    try:
+        ttl_s = parse_duration(ttl)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="ttl") from exc
+    if ttl_s <= 0:
+        raise APIError(400, f"ttl must be positive, got {ttl!r}", param="ttl")
+    return ttl_s
+
+
+def _pin_error(exc: PinError, param: str | None = None) -> APIError:
+    code = _CODES.get(type(exc))
+    return APIError(exc.status, str(exc), param=param if exc.status == 409 else None, code=code)

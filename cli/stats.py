@@ -1,0 +1,163 @@
+"""``agentd stats``: prefix-cache hit rate (overall and per pin), TTFT of hits vs misses, pool
+blocks, throughput and near misses, as rich tables, JSON, or a live view (``--watch``).
+
+Invariant: read-only (``GET /v1/stats``, which answers from snapshots, so watching never slows
+the engine); ``--watch`` runs until Ctrl-C and then exits 0.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import click
+
+from agentd.cli._client import DaemonClient, url_option
+from agentd.cli.pins import short_duration
+from agentd.cli.status import format_duration
+
+NUM_NEAR_MISSES_SHOWN = 5
+
+
+@click.command()
+@click.option("--json", "as_json", is_flag=True, help="Print /v1/stats as JSON.")
+@click.option("--watch", type=click.FloatRange(min=0.2), is_flag=False, flag_value=2.0,
+              default=None, metavar="[SECONDS]",
+              help="Refresh every SECONDS (default 2) until Ctrl-C.")
+@url_option
+def command(as_json: bool, watch: float | None, url: str) -> None:
+    """Show cache hit rates, TTFT of hits vs misses, pool blocks, tokens/s and near misses."""
+    client = DaemonClient(url)
+    if as_json:
+        click.echo(json.dumps(client.json("GET", "/v1/stats"), indent=2))
+        return
+    from rich.console import Console
+
+    console = Console()
+    if watch is None:
+        console.print(render(client.json("GET", "/v1/stats")))
+        return
+    from rich.live import Live
+
+    try:
+        with Live(render(client.json("GET", "/v1/stats")), console=console,
+                  auto_refresh=False) as live:
+            while True:
+                time.sleep(watch)
+                live.update(render(client.json("GET", "/v1/stats")), refresh=True)
+    except KeyboardInterrupt:
+        pass
+
+
+def render(s: dict[str, Any]) -> Any:
+    """All sections of the stats view, as one rich renderable."""
+    from rich.console import Group
+
+    parts = [_overview(s), _ttft(s["ttft"])]
+    if s["pins"]:
+        parts.append(_pins(s["pins"]))
+    near = s["near_misses"]
+    if near["top"]:
+        parts.append(_near_misses(near))
+    if s.get("pin_restore"):
+        parts.append(_restore(s["pin_restore"]))
+    return Group(*parts)
+
+
+def _overview(s: dict[str, Any]) -> Any:
+    from rich.table import Table
+
+    table = Table.grid(padding=(0, 2))
+    table.add_column(style="bold")
+    table.add_column()
+    table.add_row("model", f"{s['model']} (max_model_len {s['max_model_len']}), up "
+                           f"{format_duration(s['uptime_s'])}")
+    queries, hits = s["prefix_cache_queries"], s["prefix_cache_hits"]
+    rate = s.get("prefix_cache_hit_rate")
+    table.add_row("prefix cache", f"{_pct(rate)} of prompt tokens hit ({hits} of {queries})")
+    pinned = s["num_blocks_pinned"]
+    table.add_row("pool blocks", f"{s['num_blocks_free']} free, {s['num_blocks_cached']} cached, "
+                                 f"{pinned} pinned, {s['num_blocks_used'] - pinned} in use "
+                                 f"(of {s['num_blocks_total']})")
+    table.add_row("requests", f"{s['num_requests_running']} running, "
+                              f"{s['num_requests_waiting']} waiting, "
+                              f"{s['num_requests_finished']} finished")
+    table.add_row("throughput", f"{s['tokens_per_s']:.1f} output tokens/s (last minute)")
+    if s.get("pin_persist_error"):
+        table.add_row("[red]pins not saved[/]", s["pin_persist_error"])
+    return table
+
+
+def _ttft(ttft: dict[str, dict[str, Any]]) -> Any:
+    from rich.table import Table
+
+    table = Table(title="time to first token (recent requests)", title_justify="left")
+    for column in ("cache", "requests", "p50", "p90", "p99"):
+        table.add_column(column, justify="left" if column == "cache" else "right")
+    for outcome in ("hit", "miss"):
+        row = ttft[outcome]
+        table.add_row(outcome, str(row["count"]), *(_ms(row[q]) for q in ("p50", "p90", "p99")))
+    return table
+
+
+def _pins(pins: list[dict[str, Any]]) -> Any:
+    from rich.table import Table
+
+    table = Table(title="pins", title_justify="left", caption_justify="left",
+                  caption="hits: requests that matched a whole pin; tokens saved: prompt tokens "
+                          "served from its KV instead of prefilled")
+    for column in ("pin", "tokens", "blocks", "hits", "tokens saved", "near misses", "TTL",
+                   "idle"):
+        table.add_column(column, justify="left" if column == "pin" else "right", no_wrap=True)
+    for p in pins:
+        table.add_row(p["name"], str(p["num_tokens"]), str(p["num_blocks"]), str(p["hits"]),
+                      str(p["tokens_served"]), str(p["near_misses"]), short_duration(p.get("ttl")),
+                      short_duration(p["idle_s"]))
+    return table
+
+
+def _near_misses(near: dict[str, Any]) -> Any:
+    from rich.console import Group
+    from rich.markup import escape
+    from rich.table import Table
+
+    top = Table(title=f"near misses ({near['total']}): requests that left a pin before its end",
+                title_justify="left")
+    for column in ("pin", "likely cause", "count"):
+        top.add_column(column, justify="right" if column == "count" else "left")
+    for row in near["top"]:
+        top.add_row(row["pin"], row["cause"], str(row["count"]))
+    latest = Table(title="latest near misses (⟦ marks the first differing token)",
+                   title_justify="left")
+    for column in ("pin", "at token", "pin text", "request text"):
+        latest.add_column(column, justify="right" if column == "at token" else "left")
+    for miss in near["recent"][:NUM_NEAR_MISSES_SHOWN]:
+        latest.add_row(miss["pin"], f"{miss['divergence_token']} / {miss['pin_num_tokens']}",
+                       escape(miss["pin_text"]), escape(miss["request_text"]))
+    return Group(top, latest)
+
+
+def _restore(report: list[dict[str, Any]]) -> Any:
+    from rich.markup import escape
+    from rich.table import Table
+
+    table = Table(title="pins restored at start", title_justify="left")
+    for column in ("pin", "from", "tokens", "restore", "first prefill"):
+        table.add_column(column, justify="left" if column in ("pin", "from") else "right")
+    for entry in report:
+        if "error" in entry:
+            table.add_row(entry["name"], f"[red]failed: {escape(entry['error'])}[/]", "", "", "")
+            continue
+        prefill = entry.get("prefill_s")
+        table.add_row(entry["name"], entry["source"], str(entry["num_tokens"]),
+                      f"{entry['elapsed_s']:.3f} s", "-" if prefill is None else f"{prefill:.3f} s")
+    return table
+
+
+def _pct(rate: float | None) -> str:
+    return "-" if rate is None else f"{100 * rate:.1f}%"
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{1000 * seconds:.0f} ms"

@@ -1,0 +1,114 @@
+"""API keys: with ``--api-key`` (several allowed) every ``/v1`` and ``/admin`` operation in the
+app's own OpenAPI schema — so routes added later are covered without editing this test — answers
+401 without a key, with a wrong key or another scheme, and does not with any of the keys;
+``/health`` (and ``/metrics``, for scrapers) stay open. The CLI sends ``$AGENTD_API_KEY``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+from litestar.testing import TestClient
+
+from agentd.cli import main
+from agentd.cli.start import command as start_command
+from agentd.cli.start import server_settings
+from agentd.server.app import ServerSettings, create_app
+
+KEYS = ("sk-alpha", "sk-beta")
+BAD_HEADERS = {
+    "no header": {},
+    "wrong key": {"Authorization": "Bearer sk-gamma"},
+    "a key's prefix": {"Authorization": "Bearer sk-alph"},
+    "basic scheme": {"Authorization": f"Basic {KEYS[0]}"},
+    "no scheme": {"Authorization": KEYS[0]},
+    "empty bearer": {"Authorization": "Bearer "},
+    "two keys at once": {"Authorization": f"Bearer {KEYS[0]},{KEYS[1]}"},
+}
+
+
+@pytest.fixture(scope="module")
+def keyed(tiny) -> Iterator[TestClient]:
+    config, engine = tiny
+    app = create_app(config, engine=engine, settings=ServerSettings(api_keys=KEYS))
+    with TestClient(app) as client:
+        yield client
+
+
+def guarded_operations(client: TestClient) -> list[tuple[str, str]]:
+    schema = client.get("/docs/openapi.json").json()
+    operations = [(method.upper(), path.replace("{name}", "some-pin"))
+                  for path, item in schema["paths"].items()
+                  if path.startswith(("/v1/", "/admin/"))
+                  for method in item if method in ("get", "post", "put", "patch", "delete")]
+    assert ("POST", "/v1/chat/completions") in operations and ("GET", "/v1/stats") in operations
+    return operations
+
+
+def test_every_v1_and_admin_operation_needs_a_key(keyed: TestClient, openai_error) -> None:
+    for method, path in guarded_operations(keyed):
+        for case, headers in BAD_HEADERS.items():
+            error = openai_error(keyed.request(method, path, headers=headers), 401)
+            assert error["code"] == "invalid_api_key", (method, path, case)
+            assert error["type"] == "authentication_error"
+
+
+@pytest.mark.parametrize("key", KEYS)
+def test_each_key_is_accepted_everywhere(keyed: TestClient, key: str, idle) -> None:
+    bodies: dict[str, Any] = {"/v1/chat/completions": {
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        "/v1/completions": {"prompt": "hi", "max_tokens": 2},
+        "/v1/pins": {"name": "auth-probe", "system": "You are a probe. " * 8}}
+    for scheme in ("Bearer", "bearer"):
+        headers = {"Authorization": f"{scheme} {key}"}
+        for method, path in guarded_operations(keyed):
+            if path == "/admin/shutdown":
+                continue  # accepted (202) would ask the server to exit
+            response = keyed.request(method, path, headers=headers, json=bodies.get(path))
+            assert response.status_code != 401, (method, path, response.text)
+            assert response.status_code < 500, (method, path, response.text)
+        keyed.delete("/v1/pins/auth-probe", headers=headers)
+    idle(lambda path: keyed.get(path, headers={"Authorization": f"Bearer {key}"}),
+         num_pinned_ok=False)
+
+
+def test_health_metrics_and_docs_stay_open(keyed: TestClient) -> None:
+    assert keyed.get("/health").status_code == 200
+    assert keyed.get("/metrics").status_code == 200
+    assert keyed.get("/docs/openapi.json").status_code == 200
+
+
+def test_start_accepts_several_keys_by_option_or_environment() -> None:
+    ctx = start_command.make_context("start", ["--api-key", "k1", "--api-key", "k2,k3"])
+    assert server_settings(ctx.params).api_keys == ("k1", "k2", "k3")
+    runner_env = {"AGENTD_API_KEY": "k1,k2", "AGENTD_MAX_QUEUE": "7",
+                  "AGENTD_SHARED_CACHE": "1"}
+    with pytest.MonkeyPatch.context() as patch:
+        for name, value in runner_env.items():
+            patch.setenv(name, value)
+        ctx = start_command.make_context("start", [])
+    settings = server_settings(ctx.params)
+    assert settings.api_keys == ("k1", "k2") and settings.max_queue == 7
+    assert settings.shared_cache and not settings.per_key_cache
+
+
+@pytest.fixture(scope="module")
+def keyed_url(tiny, serve) -> Iterator[str]:
+    config, engine = tiny
+    with serve(create_app(config, engine=engine, settings=ServerSettings(api_keys=KEYS))) as url:
+        yield url
+
+
+@pytest.mark.parametrize("args", [["status", "--json"], ["pins"], ["stats", "--json"]])
+def test_the_cli_sends_the_key_from_the_environment(keyed_url: str, args: list[str]) -> None:
+    runner = CliRunner()
+    for key in (KEYS[1], ",".join(KEYS)):  # one key, or the list given to `agentd start`
+        result = runner.invoke(main, args, env={"AGENTD_URL": keyed_url, "AGENTD_API_KEY": key})
+        assert result.exit_code == 0, result.output
+    for env in ({"AGENTD_API_KEY": "sk-wrong"}, {"AGENTD_API_KEY": ""}):
+        result = runner.invoke(main, args, env={"AGENTD_URL": keyed_url, **env})
+        assert result.exit_code != 0
+        assert "AGENTD_API_KEY" in result.output, result.output

@@ -1,0 +1,223 @@
+"""Crashes and a bad state dir never lose or corrupt a user's pins.
+
+``kill -9`` of a real daemon (``python -m agentd.cli start``, tiny model) while a pin is being
+registered, and — through the ``AGENTD_TEST_PAUSE_SNAPSHOT_S`` hook, which holds the daemon in
+the middle of writing a KV snapshot — while its snapshot is half written: after a restart
+``pins.json`` parses, it is the old registry or the new one, and every pin it lists is restored
+and serves cache hits. A full (``/dev/full``) or unwritable state dir: pins keep serving from
+memory and the failure is reported in ``/v1/stats`` (``pin_persist_error``), not swallowed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from litestar.testing import TestClient
+
+from agentd.server.app import ServerSettings, create_app
+
+BASE = "You are the base agent. Answer briefly and cite the files you read. " * 6
+BIG = json.loads(resources.files("agentd.workloads").joinpath("coding_agent.json")
+                 .read_text())["system"]
+READY_TIMEOUT_S = 120.0
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Daemon:
+    """One ``agentd start`` process on a free port; ``kill()`` is SIGKILL, no cleanup at all."""
+
+    def __init__(self, model_dir: Path, state_dir: Path, **env: str) -> None:
+        self.state_dir = state_dir
+        self.url = f"http://127.0.0.1:{_free_port()}"
+        child_env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")}
+        child_env.update(env, AGENTD_NUM_THREADS="1")
+        self.log_path = state_dir.parent / f"{state_dir.name}-{time.monotonic_ns()}.log"
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "agentd.cli", "start", "--model", str(model_dir),
+                 "--state-dir", str(state_dir), "--port", self.url.rsplit(":", 1)[1],
+                 "--kv-cache-memory", "8MiB", "--log-level", "warning"],
+                stdout=log, stderr=subprocess.STDOUT, env=child_env)
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, f"the daemon exited:\n{self.log()}"
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        self.kill()
+        pytest.fail(f"the daemon was not ready in {READY_TIMEOUT_S:.0f} s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-3000:]
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGKILL)
+        self.process.wait(30)
+
+    def stop(self) -> None:
+        try:
+            httpx.post(f"{self.url}/admin/shutdown", timeout=5)
+            self.process.wait(30)
+        except (httpx.HTTPError, subprocess.TimeoutExpired):
+            self.kill()
+        assert self.process.returncode == 0, self.log()
+
+    def pin(self, name: str, system: str) -> httpx.Response:
+        return httpx.post(f"{self.url}/v1/pins", json={"name": name, "system": system},
+                          timeout=120)
+
+    def cached_tokens(self, system: str) -> int:
+        reply = httpx.post(f"{self.url}/v1/chat/completions", timeout=120, json={
+            "messages": [{"role": "system", "content": system},
+                         {"role": "user", "content": "Where do I start?"}], "max_tokens": 2})
+        assert reply.status_code == 200, reply.text
+        return reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+@pytest.fixture
+def daemons(tiny_model_factory, tmp_path) -> Iterator[Any]:
+    """Start daemons over one state dir; every one is killed at the end, whatever happens."""
+    started: list[Daemon] = []
+    model_dir = tiny_model_factory("llama")
+
+    def start(**env: str) -> Daemon:
+        daemon = Daemon(model_dir, tmp_path / "state", **env)
+        started.append(daemon)
+        return daemon
+
+    yield start
+    for daemon in started:
+        daemon.kill()
+
+
+def registry(state_dir: Path) -> list[str]:
+    """The names in pins.json, which must parse as a complete registry document."""
+    doc = json.loads((state_dir / "pins.json").read_text(encoding="utf-8"))
+    assert doc["version"] == 1 and isinstance(doc["pins"], list)
+    return [entry["name"] for entry in doc["pins"]]
+
+
+def assert_every_listed_pin_serves(daemon: Daemon, systems: dict[str, str]) -> list[str]:
+    names = registry(daemon.state_dir)
+    listed = {p["name"]: p for p in httpx.get(f"{daemon.url}/v1/pins", timeout=30).json()["data"]}
+    assert sorted(listed) == sorted(names), daemon.log()
+    for name in names:
+        assert daemon.cached_tokens(systems[name]) >= listed[name]["num_tokens"] > 0
+    return names
+
+
+def _pin_in_background(daemon: Daemon, name: str, system: str) -> threading.Thread:
+    def post() -> None:
+        try:
+            daemon.pin(name, system)
+        except httpx.HTTPError:
+            pass  # the daemon was killed under it: that is the point
+
+    thread = threading.Thread(target=post, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("delay_s", [0.0, 0.15])
+def test_kill_during_pin_registration_keeps_old_or_new_registry(daemons, delay_s: float) -> None:
+    systems = {"base": BASE, "big": BIG}
+    daemon = daemons()
+    assert daemon.pin("base", BASE).status_code == 201
+    thread = _pin_in_background(daemon, "big", BIG)
+    time.sleep(delay_s)
+    daemon.kill()
+    thread.join(30)
+    names = registry(daemon.state_dir)
+    print(f"registry after a kill {delay_s} s into the registration: {names}")
+    assert names in (["base"], ["base", "big"])
+    restarted = daemons()
+    assert assert_every_listed_pin_serves(restarted, systems) == names
+    assert restarted.pin("big", BIG).status_code in (201, 409)  # registering again works
+    assert_every_listed_pin_serves(restarted, systems)
+    restarted.stop()
+
+
+@pytest.mark.slow
+def test_kill_while_a_snapshot_is_half_written(daemons) -> None:
+    systems = {"base": BASE, "big": BIG}
+    daemon = daemons(AGENTD_TEST_PAUSE_SNAPSHOT_S="60")
+    kv_dir = daemon.state_dir / "kv"
+    thread = _pin_in_background(daemon, "base", BASE)
+    deadline = time.monotonic() + 60
+    while not list(kv_dir.glob("*/.base.pt.*.tmp")):  # the daemon sleeps mid-write now
+        assert time.monotonic() < deadline, daemon.log()
+        time.sleep(0.05)
+    assert registry(daemon.state_dir) == ["base"]  # pins.json was committed before the snapshot
+    daemon.kill()
+    thread.join(30)
+    assert not list(kv_dir.glob("*/base.pt"))  # no snapshot was committed...
+    restarted = daemons()  # ... so the pin is recomputed, not restored from a torn file
+    assert assert_every_listed_pin_serves(restarted, systems) == ["base"]
+    assert list(kv_dir.glob("*/base.pt"))  # the recompute wrote a whole snapshot
+    restarted.stop()
+    again = daemons()  # and a clean restart restores from it
+    assert assert_every_listed_pin_serves(again, systems) == ["base"]
+    again.stop()
+
+
+# --- a full or unwritable state dir ------------------------------------------------------------
+@pytest.fixture
+def state_client(tiny, tmp_path) -> Iterator[tuple[TestClient, Path]]:
+    config, engine = tiny
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    app = create_app(config, engine=engine, settings=ServerSettings(state_dir=state_dir))
+    with TestClient(app) as client:
+        yield client, state_dir
+
+
+@pytest.mark.parametrize("how", ["full", "unwritable"])
+def test_a_full_or_unwritable_state_dir_is_reported_and_pins_still_serve(state_client, how: str,
+                                                                         idle) -> None:
+    client, state_dir = state_client
+    if how == "full":  # every write of the registry lands on /dev/full: ENOSPC
+        (state_dir / f".pins.json.{os.getpid()}.tmp").symlink_to("/dev/full")
+        expect = "No space left"
+    else:  # a directory where pins.json must go (root ignores file permissions)
+        (state_dir / "pins.json").mkdir()
+        expect = "pins.json"
+    assert client.get("/v1/stats").json()["pin_persist_error"] is None
+    created = client.post("/v1/pins", json={"name": "mem", "system": BASE})
+    assert created.status_code == 201, created.text
+    try:
+        error = client.get("/v1/stats").json()["pin_persist_error"]
+        assert error and expect in error, error
+        reply = client.post("/v1/chat/completions", json={"max_tokens": 2, "messages": [
+            {"role": "system", "content": BASE}, {"role": "user", "content": "hi"}]})
+        assert reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= \
+            created.json()["num_tokens"]
+        assert [p["name"] for p in client.get("/v1/pins").json()["data"]] == ["mem"]
+    finally:
+        assert client.delete("/v1/pins/mem").status_code == 200
+    idle(client.get, num_pinned_ok=False)

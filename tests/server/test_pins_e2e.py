@@ -1,0 +1,178 @@
+"""Pins end to end: a real ``agentd start`` with the default model on loopback, a small pool.
+
+``agentd pin`` (the CLI, as a user runs it) pins the research agent's system prompt and tools;
+chat requests through the ``openai`` SDK with any user message then report the whole pin as
+cached. Unique prompts worth twice the pool churn every unpinned block: the pin still hits in
+full while an unpinned prefix used at the same time is evicted. Then ``kill -9`` and a restart
+on the same state dir: the pin is back (from its KV snapshot) before ``/health`` says ready, and
+the first request hits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+# fp32 on CPU: 180 blocks of 16 tokens; the research pin takes 143 of them (budget 0.85 = 153)
+DAEMON_ARGS = ("--kv-cache-memory", "127MiB", "--max-pinned-fraction", "0.85",
+               "--log-level", "info")
+UNIQUE_PROMPT_BLOCKS = 20
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Daemon:
+    """One ``python -m agentd.cli start`` process; ``start()`` again after ``kill()``."""
+
+    def __init__(self, state_dir: Path, port: int) -> None:
+        self.state_dir = state_dir
+        self.url = f"http://127.0.0.1:{port}"
+        self.port = port
+        self.process: subprocess.Popen | None = None
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")}
+
+    def start(self) -> None:
+        log = open(self.state_dir / "test-daemon.log", "ab")  # noqa: SIM115 - the child owns it
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "agentd.cli", "start", "--port", str(self.port),
+             "--state-dir", str(self.state_dir), *DAEMON_ARGS],
+            stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        log.close()
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            assert self.process is not None and self.process.poll() is None, self.log()[-3000:]
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        pytest.fail("the daemon was not ready within 300 s")
+
+    def kill(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(30)
+
+    def stop(self) -> int | None:
+        if self.process is None or self.process.poll() is not None:
+            return None if self.process is None else self.process.returncode
+        try:
+            httpx.post(f"{self.url}/admin/shutdown", timeout=5)
+            return self.process.wait(30)
+        except (httpx.HTTPError, subprocess.TimeoutExpired):
+            self.process.kill()
+            return self.process.wait()
+
+    def log(self) -> str:
+        return (self.state_dir / "test-daemon.log").read_text(errors="replace")
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "agentd.cli", *args, "--url", self.url],
+                              capture_output=True, text=True, env=self.env, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory) -> Iterator[Daemon]:
+    daemon = Daemon(tmp_path_factory.mktemp("agentd-pins"), free_port())
+    daemon.start()
+    try:
+        daemon.wait_ready()
+        yield daemon
+    finally:
+        code = daemon.stop()
+    assert code == 0, daemon.log()[-3000:]
+
+
+@pytest.fixture(scope="module")
+def research(daemon: Daemon) -> dict[str, Any]:
+    workload = json.loads(resources.files("agentd.workloads").joinpath("research_agent.json")
+                          .read_text())
+    (daemon.state_dir / "research.txt").write_text(workload["system"])
+    (daemon.state_dir / "tools.json").write_text(json.dumps(workload["tools"]))
+    return workload
+
+
+def chat(client: openai.OpenAI, system: str, text: str, tools: Any = None) -> int:
+    """Send one chat request; return its cached prompt tokens."""
+    reply = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "system", "content": system},
+                               {"role": "user", "content": text}],
+        max_tokens=1, temperature=0, **({"tools": tools} if tools else {}))
+    return reply.usage.prompt_tokens_details.cached_tokens
+
+
+def test_pin_survives_pressure_and_kill_9(daemon: Daemon, research: dict[str, Any]) -> None:
+    client = openai.OpenAI(base_url=f"{daemon.url}/v1", api_key="unused", max_retries=0)
+    pinned = daemon.cli("pin", str(daemon.state_dir / "research.txt"), "--tools",
+                        str(daemon.state_dir / "tools.json"))
+    assert pinned.returncode == 0, pinned.stderr
+    found = re.match(r"pinned research: (\d+) tokens in (\d+) blocks", pinned.stdout)
+    assert found, pinned.stdout
+    num_tokens, num_blocks = int(found[1]), int(found[2])
+    assert num_tokens == 16 * num_blocks > 2000
+
+    # any user message hits the whole pin; an unpinned prefix is cached at the same time
+    unpinned = json.loads(resources.files("agentd.workloads").joinpath("support_agent.json")
+                          .read_text())["system"][:700]
+    assert chat(client, unpinned, "Where is my order?") == 0
+    for text in ("Find three sources on heat pumps.", "What is 12% of 4,150?", "Hi"):
+        assert chat(client, research["system"], text, research["tools"]) >= num_tokens
+    assert chat(client, unpinned, "Can I return a lamp?") >= 128
+
+    # pressure: unique prompts worth twice the whole pool
+    stats = httpx.get(f"{daemon.url}/v1/stats").json()
+    assert stats["num_blocks_pinned"] == num_blocks
+    rng = random.Random(0)
+    num_prompts = 2 * stats["num_blocks_total"] // UNIQUE_PROMPT_BLOCKS
+    for _ in range(num_prompts):
+        ids = [rng.randrange(1000, 40000) for _ in range(UNIQUE_PROMPT_BLOCKS * 16)]
+        reply = client.completions.create(model=MODEL, prompt=ids, max_tokens=1)
+        assert reply.usage.prompt_tokens_details is None or \
+            reply.usage.prompt_tokens_details.cached_tokens == 0
+    assert chat(client, research["system"], "Any news on fusion?", research["tools"]) >= \
+        num_tokens
+    assert chat(client, unpinned, "Can I return a lamp?") == 0  # evicted
+    (row,) = httpx.get(f"{daemon.url}/v1/stats").json()["pins"]
+    assert row["hits"] == 4 and row["tokens_served"] >= 4 * num_tokens
+
+    # kill -9, restart on the same state dir: the pin is back before /health says ready
+    daemon.kill()
+    registry = json.loads((daemon.state_dir / "pins.json").read_text())
+    assert [p["name"] for p in registry["pins"]] == ["research"]
+    daemon.start()
+    daemon.wait_ready()
+    (listed,) = httpx.get(f"{daemon.url}/v1/pins").json()["data"]
+    assert listed["name"] == "research" and listed["num_tokens"] == num_tokens
+    (report,) = httpx.get(f"{daemon.url}/v1/stats").json()["pin_restore"]
+    assert report["source"] == "snapshot" and report["num_tokens"] == num_tokens
+    assert report["prefill_s"] > 0 and report["elapsed_s"] > 0
+    assert chat(client, research["system"], "First question after the restart.",
+                research["tools"]) >= num_tokens
+    assert "restored by snapshot" in daemon.log()
+    json.loads((daemon.state_dir / "pins.json").read_text())

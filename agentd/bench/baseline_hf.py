@@ -47,6 +47,7 @@ def run_hf_baseline(model_path: str | None, workload: Workload, num_requests: in
     """Load the model with transformers and run ``num_requests`` prompts sequentially."""
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     from agentd.chat import render_chat
     from agentd.model.loader import load_tokenizer, resolve_model
@@ -54,6 +55,7 @@ def run_hf_baseline(model_path: str | None, workload: Workload, num_requests: in
     files = resolve_model(model_path)
     tokenizer = load_tokenizer(files)
     progress.phase(f"{workload.name}: HF baseline (loading {files.name})", num_requests + 1)
+    hf_logging.disable_progress_bar()  # ours is on screen
     model = AutoModelForCausalLM.from_pretrained(files.path, dtype=torch.float32).eval()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else \
         tokenizer.eos_token_id

@@ -223,9 +223,13 @@ def test_interleaved_conversations_equal_the_same_conversations_alone(small_pool
 
     expected = asyncio.run(alone())
     before = stats()
-    for seed in (1, 2):
+    # Whether blocks run out depends on how the interleaving lands in time on a busy machine;
+    # keep interleaving (each run must match) until the pool has been under pressure.
+    for seed in range(1, 7):
         assert asyncio.run(interleaved(seed)) == expected
-    after = stats()
+        after = stats()
+        if seed >= 2 and after["num_preemptions"] > before["num_preemptions"]:
+            break
     assert len({tuple(r) for r in expected}) == len(convs)  # they really are different
     assert after["num_preemptions"] > before["num_preemptions"]  # the pool was under pressure
     assert after["prefix_cache_hits"] > before["prefix_cache_hits"]  # and the cache was used

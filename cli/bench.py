@@ -154,9 +154,10 @@ def _report(run: Any, options: Any, opts: dict[str, Any]) -> None:
     from agentd.bench.report import print_report
     from agentd.bench.results import to_json
 
-    print_report(Console(), run.server, run.results, options.settings.cold_requests)
+    print_report(Console(), run.server, run.results, options.settings.cold_requests,
+                 run.load_avg)
     settings = {**dataclasses.asdict(options.settings), "prompt_budget": options.prompt_tokens,
-                "baseline": options.baseline, "load_avg": list(os.getloadavg()),
+                "baseline": options.baseline, "load_avg_1m": list(run.load_avg),
                 "cpu_count": os.cpu_count()}
     if opts["json_path"] is not None:
         opts["json_path"].write_text(json.dumps(to_json(run.server, run.results, settings),

@@ -3,7 +3,8 @@
 Invariants: matplotlib is imported only here, with the non-interactive Agg backend (no display
 needed); a request counts as a hit when the server reported at least half of its prompt tokens
 cached, and, for a server that reports no cached tokens, by its phase (warm and pinned phases
-hit, cold ones miss); pressure-fill prompts are left out (they measure nothing).
+hit, cold ones miss); only requests sent one at a time are counted (under concurrency TTFT
+includes queueing), and pressure-fill prompts are left out (they measure nothing).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def hit_miss_ttfts(results: list[WorkloadResult]) -> tuple[list[float], list[flo
     misses: list[float] = []
     for r in results:
         for name, phase in r.phases.items():
-            if name in SKIPPED_PHASES:
+            if name in SKIPPED_PHASES or phase.concurrency != 1:
                 continue
             for x in phase.results:
                 hit = is_hit(name, x)
@@ -58,7 +59,7 @@ def write_plot(path: Path, results: list[WorkloadResult], title: str) -> None:
             ax_ttft.set_xscale("log")
     ax_ttft.set_xlabel("TTFT (s)")
     ax_ttft.set_ylabel("requests")
-    ax_ttft.set_title("TTFT: prefix-cache hits vs misses")
+    ax_ttft.set_title("TTFT of sequential requests: prefix-cache hits vs misses")
     ax_ttft.legend()
     for r in results:
         tput = figures(r)["throughput"]

@@ -142,11 +142,14 @@ def column_header(result: WorkloadResult) -> str:
             f"{s['num_tools']}/{s['num_tools_total']} tools · {out}")
 
 
-def build_table(server: ServerInfo, results: list[WorkloadResult], num_cold: int) -> Table:
+def build_table(server: ServerInfo, results: list[WorkloadResult], num_cold: int,
+                load_avg: tuple[float, float] | None = None) -> Table:
+    """``load_avg``: the 1-minute load average when the run started and when it ended."""
     where = f"{server.kind} {server.version or ''}".strip()
-    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    table = Table(title=f"agentd bench · {where} at {server.root_url} · model {server.model} · "
-                        f"load avg {load}", title_justify="left", show_lines=False)
+    load = "" if load_avg is None else \
+        f" · load avg {load_avg[0]:.1f} → {load_avg[1]:.1f} on {os.cpu_count()} CPUs"
+    table = Table(title=f"agentd bench · {where} at {server.root_url} · model {server.model}"
+                        f"{load}", title_justify="left", show_lines=False)
     table.add_column("figure", style="bold")
     with_baseline = any(r.baseline is not None for r in results)
     for r in results:
@@ -165,7 +168,9 @@ def build_table(server: ServerInfo, results: list[WorkloadResult], num_cold: int
             for f, b in per_workload:
                 cells.append(ours(f))
                 if with_baseline:
-                    cells += [base(b) if b else DASH, fmt_x(vs(f, b)) if b else DASH]
+                    shown = base(b) if b else DASH
+                    ratio = vs(f, b) if b and shown else None
+                    cells += [shown, "" if ratio is None else fmt_x(ratio)]
             table.add_row(*cells, end_section=(label == rows[-1][0] and n < len(sections) - 1))
     return table
 
@@ -183,7 +188,7 @@ def notes(results: list[WorkloadResult]) -> list[str]:
 
 
 def print_report(console: Console, server: ServerInfo, results: list[WorkloadResult],
-                 num_cold: int) -> None:
-    console.print(build_table(server, results, num_cold))
+                 num_cold: int, load_avg: tuple[float, float] | None = None) -> None:
+    console.print(build_table(server, results, num_cold, load_avg))
     for line in notes(results):
         console.print(line, style="dim", highlight=False)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +53,7 @@ class BenchOptions:
 class BenchRun:
     server: ServerInfo
     results: list[WorkloadResult]
+    load_avg: tuple[float, float]  # 1-minute load average at the start and at the end
 
 
 def load_tokenizer_for(options: BenchOptions) -> Any:
@@ -79,6 +81,7 @@ def prepare_workloads(options: BenchOptions, tokenizer: Any) -> list[Workload]:
 
 
 def run_bench(options: BenchOptions, progress: Progress) -> BenchRun:
+    load_at_start = os.getloadavg()[0]
     try:
         server, results = asyncio.run(_run_server(options, progress))
     except asyncio.CancelledError as exc:
@@ -90,7 +93,7 @@ def run_bench(options: BenchOptions, progress: Progress) -> BenchRun:
             result.baseline = run_hf_baseline(options.baseline_model, result.workload,
                                               options.settings.requests,
                                               options.settings.max_tokens, progress)
-    return BenchRun(server, results)
+    return BenchRun(server, results, (load_at_start, os.getloadavg()[0]))
 
 
 async def _run_server(options: BenchOptions,

@@ -15,7 +15,7 @@ from agentd.model.llama import LlamaModel, RotaryEmbedding
 from agentd.model.loader import (
     ModelFiles,
     load_config,
-    load_state_dict,
+    iter_state_dict,
     load_tokenizer,
     model_fingerprint,
     resolve_model,
@@ -77,10 +77,10 @@ def load_model(config: EngineConfig) -> LoadedModel:
     tokenizer = load_tokenizer(files)
     device = pick_device(config.device)
     dtype = pick_dtype(config.dtype, device)
-    with torch.device("meta"):
-        model = LlamaModel(hf_config)
+    # Shapes only: no memory, no random init.
+    model = LlamaModel(hf_config, device="meta")
     model = model.to_empty(device="cpu")
-    model.load_hf_state_dict(load_state_dict(files, torch.float32))
+    model.load_hf_state_dict(iter_state_dict(files, torch.float32))
     model = model.to(device=device, dtype=dtype).eval()
     # The cos/sin table stays float32 whatever the weights' dtype (built after the cast).
     model.rotary = RotaryEmbedding(hf_config, model.dims.head_dim,

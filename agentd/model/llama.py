@@ -8,6 +8,7 @@ Invariant: for the same weights, logits equal transformers' within float toleran
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -126,9 +127,9 @@ class RotaryEmbedding(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, device: torch.device | str | None = None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim, device=device))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -136,17 +137,17 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, dims: ModelDims) -> None:
+    def __init__(self, dims: ModelDims, device: torch.device | str | None = None) -> None:
         super().__init__()
         self.dims = dims
         self.q_size = dims.num_heads * dims.head_dim
         self.kv_size = dims.num_kv_heads * dims.head_dim
-        self.qkv_proj = nn.Linear(dims.hidden_size, self.q_size + 2 * self.kv_size,
+        self.qkv_proj = nn.Linear(dims.hidden_size, self.q_size + 2 * self.kv_size, device=device,
                                   bias=dims.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, dims.hidden_size, bias=dims.o_proj_bias)
+        self.o_proj = nn.Linear(self.q_size, dims.hidden_size, bias=dims.o_proj_bias, device=device)
         if dims.qk_norm:
-            self.q_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps)
-            self.k_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps)
+            self.q_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps, device)
+            self.k_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps, device)
         self.scale = dims.head_dim**-0.5
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
@@ -179,11 +180,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, dims: ModelDims) -> None:
+    def __init__(self, dims: ModelDims, device: torch.device | str | None = None) -> None:
         super().__init__()
         self.intermediate_size = dims.intermediate_size
-        self.gate_up_proj = nn.Linear(dims.hidden_size, 2 * dims.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(dims.intermediate_size, dims.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(dims.hidden_size, 2 * dims.intermediate_size, bias=False,
+                                      device=device)
+        self.down_proj = nn.Linear(dims.intermediate_size, dims.hidden_size, bias=False,
+                                   device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
@@ -191,12 +194,12 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, dims: ModelDims) -> None:
+    def __init__(self, dims: ModelDims, device: torch.device | str | None = None) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
-        self.self_attn = Attention(dims)
-        self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
-        self.mlp = MLP(dims)
+        self.input_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, device)
+        self.self_attn = Attention(dims, device)
+        self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, device)
+        self.mlp = MLP(dims, device)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
                 kv_cache: torch.Tensor, meta: AttentionMetadata,
@@ -208,13 +211,19 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers, final norm and LM head over a flattened paged batch."""
 
-    def __init__(self, config, max_positions: int | None = None) -> None:
+    def __init__(self, config, max_positions: int | None = None,
+                 device: torch.device | str | None = None) -> None:
+        """``device="meta"`` builds the shapes only, for ``to_empty`` and a checkpoint load."""
         super().__init__()
         self.dims = dims = ModelDims.from_config(config)
-        self.embed_tokens = nn.Embedding(dims.vocab_size, dims.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(dims) for _ in range(dims.num_layers))
-        self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps)
-        self.lm_head = nn.Linear(dims.hidden_size, dims.vocab_size, bias=False)
+        # An explicit weight skips the random init (normal_ on meta would import torch._dynamo).
+        self.embed_tokens = nn.Embedding(
+            dims.vocab_size, dims.hidden_size,
+            _weight=torch.empty(dims.vocab_size, dims.hidden_size, device=device))
+        self.layers = nn.ModuleList(DecoderLayer(dims, device) for _ in range(dims.num_layers))
+        self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, device)
+        self.lm_head = nn.Linear(dims.hidden_size, dims.vocab_size, bias=False, device=device)
+        self.tie_weights()
         self.rotary = RotaryEmbedding(config, dims.head_dim,
                                       max_positions or dims.max_position_embeddings)
 
@@ -230,14 +239,24 @@ class LlamaModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
+    def tie_weights(self) -> None:
+        """With ``tie_word_embeddings`` the LM head *is* the embedding matrix (one tensor, as in
+        transformers), not a copy of it. Call again after ``to_empty``."""
+        if self.dims.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
     @torch.no_grad()
-    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy transformers-named weights in, fusing q/k/v and gate/up."""
+    def load_hf_state_dict(self, state: Mapping[str, torch.Tensor]
+                           | Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy transformers-named weights in, fusing q/k/v and gate/up. ``state`` is a mapping
+        or an iterable of ``(name, tensor)`` pairs, consumed one at a time."""
+        self.tie_weights()
         own = self.state_dict()
         rows_filled: dict[str, int] = {}
-        for name, tensor in state.items():
+        tied = self.dims.tie_word_embeddings
+        for name, tensor in state.items() if isinstance(state, Mapping) else state:
             key = name.removeprefix("model.")
-            if key.endswith("rotary_emb.inv_freq"):
+            if key.endswith("rotary_emb.inv_freq") or (tied and key == "lm_head.weight"):
                 continue
             target_key, rows = self._fused_target(key)
             if target_key not in own:
@@ -248,11 +267,10 @@ class LlamaModel(nn.Module):
                                  f"got {tuple(tensor.shape)}")
             target.copy_(tensor)
             rows_filled[target_key] = rows_filled.get(target_key, 0) + target.shape[0]
-        if "lm_head.weight" not in rows_filled:
-            if not self.dims.tie_word_embeddings:
-                raise ValueError("checkpoint has no lm_head.weight and does not tie embeddings")
-            own["lm_head.weight"].copy_(own["embed_tokens.weight"])
-            rows_filled["lm_head.weight"] = own["lm_head.weight"].shape[0]
+        if tied:
+            rows_filled["lm_head.weight"] = rows_filled.get("embed_tokens.weight", 0)
+        elif "lm_head.weight" not in rows_filled:
+            raise ValueError("checkpoint has no lm_head.weight and does not tie embeddings")
         missing = [k for k, t in own.items() if rows_filled.get(k) != t.shape[0]]
         if missing:
             raise ValueError(f"checkpoint is missing weights: {missing[:5]}")

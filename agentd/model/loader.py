@@ -13,6 +13,8 @@ import hashlib
 import json
 import os
 import re
+import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -129,35 +131,98 @@ def _fetch_from_hub(repo_id: str) -> Path:
     return Path(path)
 
 
-def load_config(files: ModelFiles) -> PretrainedConfig:
-    """Load the model's config; raise `UnsupportedModelError` for architectures we lack."""
-    from transformers import AutoConfig
+class ModelConfig:
+    """A model config read straight from config.json: attribute access like a transformers
+    config, without importing transformers' configuration machinery (which pulls in
+    torch.distributed and costs ~140 MB of daemon RSS). Keys absent from the file take the
+    transformers class defaults below; shape keys must be present."""
 
+    _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                 "num_attention_heads")
+    _DEFAULTS: dict[str, dict[str, Any]] = {
+        "llama": {"max_position_embeddings": 2048},
+        "mistral": {"max_position_embeddings": 4096 * 32, "sliding_window": 4096},
+        "qwen2": {"max_position_embeddings": 32768, "use_sliding_window": False},
+        "qwen3": {"max_position_embeddings": 32768, "use_sliding_window": False,
+                  "head_dim": 128},
+    }
+    _COMMON = {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "tie_word_embeddings": False,
+               "attention_bias": False, "head_dim": None, "num_key_value_heads": None,
+               "sliding_window": None, "eos_token_id": None, "architectures": None}
+
+    def __init__(self, values: dict[str, Any]) -> None:
+        self._values = dict(values)
+
+    def __getattr__(self, name: str) -> Any:
+        values = self.__dict__["_values"]
+        if name in values:
+            return values[name]
+        defaults = self._DEFAULTS.get(values.get("model_type"), {})
+        if name in defaults:
+            return defaults[name]
+        if name in self._COMMON:
+            return self._COMMON[name]
+        raise AttributeError(name)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self._values)
+
+
+def _rope_type(values: dict[str, Any]) -> str:
+    params = values.get("rope_parameters") or values.get("rope_scaling") or {}
+    return params.get("rope_type", params.get("type", "default")) or "default"
+
+
+def load_config(files: ModelFiles) -> ModelConfig | PretrainedConfig:
+    """Load the model's config; raise `UnsupportedModelError` for architectures we lack.
+
+    Plain RoPE configs are read directly (:class:`ModelConfig`); scaled RoPE variants go through
+    transformers' own config class, whose RoPE helpers compute their frequencies.
+    """
     try:
-        config = AutoConfig.from_pretrained(files.path)
-    except ValueError as exc:  # unknown model_type: transformers itself cannot read it
+        values = json.loads((files.path / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read {files.path / 'config.json'} ({exc})") from exc
+    model_type = values.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
-            f"cannot read the config of {files.name} ({exc}); "
-            f"agentd supports model types {_supported()}"
-        ) from exc
-    if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModelError(
-            f"{files.name} has model_type {config.model_type!r} "
-            f"(architectures {config.architectures}); agentd supports {_supported()}, "
+            f"{files.name} has model_type {model_type!r} "
+            f"(architectures {values.get('architectures')}); agentd supports {_supported()}, "
             "so pass a model of one of those types"
         )
-    return config
+    if _rope_type(values) != "default":
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(files.path)
+    missing = [key for key in ModelConfig._REQUIRED if key not in values]
+    if missing:
+        raise ModelLoadError(f"{files.path / 'config.json'} lacks {', '.join(missing)}")
+    return ModelConfig(values)
 
 
 def _supported() -> str:
     return ", ".join(sorted(SUPPORTED_MODEL_TYPES))
 
 
+# Tokenizer classes that are nothing but tokenizer.json: loaded without AutoTokenizer, whose
+# config lookup imports the heavy part of transformers (see ModelConfig).
+_PLAIN_FAST_TOKENIZERS = frozenset({"TokenizersBackend", "PreTrainedTokenizerFast"})
+
+
 def load_tokenizer(files: ModelFiles) -> PreTrainedTokenizerBase:
     """Load the tokenizer saved beside the weights."""
-    from transformers import AutoTokenizer
-
     try:
+        tokenizer_config = json.loads((files.path / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        tokenizer_config = {}
+    try:
+        if (tokenizer_config.get("tokenizer_class") in _PLAIN_FAST_TOKENIZERS
+                and (files.path / "tokenizer.json").exists()):
+            from transformers import PreTrainedTokenizerFast
+
+            return PreTrainedTokenizerFast.from_pretrained(files.path)
+        from transformers import AutoTokenizer
+
         return AutoTokenizer.from_pretrained(files.path)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(
@@ -172,15 +237,16 @@ def weight_files(files: ModelFiles) -> list[Path]:
     return shards or sorted(files.path.glob("pytorch_model*.bin"))
 
 
-def load_state_dict(
+def iter_state_dict(
     files: ModelFiles, dtype: torch.dtype | str, device: str = "cpu"
-) -> dict[str, torch.Tensor]:
-    """Load every weight shard, casting floating-point tensors to `dtype`.
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every weight, one at a time, floating-point ones cast to
+    ``dtype``. Safetensors shards are read tensor by tensor (memory-mapped), so loading never
+    holds a second copy of the model.
 
     Tied weights (e.g. `lm_head.weight` with `tie_word_embeddings`) may be absent.
     """
     import torch
-    from safetensors.torch import load_file
 
     target = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     shards = weight_files(files)
@@ -189,14 +255,55 @@ def load_state_dict(
             f"no *.safetensors or pytorch_model*.bin in {files.path}; "
             "pass a directory that holds the model weights"
         )
-    state: dict[str, torch.Tensor] = {}
     for shard in shards:
         if shard.suffix == ".safetensors":
-            part = load_file(shard, device=device)
+            for key, tensor in _read_safetensors(shard):
+                tensor = tensor.to(device)
+                yield key, tensor.to(target) if tensor.is_floating_point() else tensor
         else:
-            part = torch.load(shard, map_location=device, weights_only=True)
-        state.update(part)
-    return {key: t.to(target) if t.is_floating_point() else t for key, t in state.items()}
+            part = torch.load(shard, map_location=device, weights_only=True, mmap=True)
+            for key, tensor in part.items():
+                yield key, tensor.to(target) if tensor.is_floating_point() else tensor
+
+
+_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+                       "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8",
+                       "U8": "uint8", "BOOL": "bool"}
+
+
+def _read_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """Read a .safetensors file tensor by tensor with plain reads (8-byte little-endian header
+    length, a JSON header of name -> dtype/shape/data_offsets, then the data). Unlike a memory
+    map, pages already read do not stay resident, so the file never counts twice in RSS."""
+    import torch
+
+    with path.open("rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+        header.pop("__metadata__", None)
+        base = 8 + header_len
+        for key, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+            if dtype is None:
+                raise ModelLoadError(f"{path.name}: tensor {key} has unsupported dtype "
+                                     f"{info['dtype']}")
+            begin, end = info["data_offsets"]
+            tensor = torch.empty(info["shape"], dtype=getattr(torch, dtype))
+            raw = tensor.reshape(-1).view(torch.uint8)
+            if raw.numel() != end - begin:
+                raise ModelLoadError(f"{path.name}: tensor {key} is {end - begin} bytes, expected "
+                                     f"{raw.numel()} for shape {info['shape']} {info['dtype']}")
+            f.seek(base + begin)
+            if raw.numel() and f.readinto(memoryview(raw.numpy())) != raw.numel():
+                raise ModelLoadError(f"{path.name} is truncated (tensor {key})")
+            yield key, tensor
+
+
+def load_state_dict(
+    files: ModelFiles, dtype: torch.dtype | str, device: str = "cpu"
+) -> dict[str, torch.Tensor]:
+    """Every weight in one dict (see :func:`iter_state_dict`)."""
+    return dict(iter_state_dict(files, dtype, device))
 
 
 def model_fingerprint(

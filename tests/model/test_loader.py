@@ -331,3 +331,59 @@ def test_converted_default_matches_gguf_logits(
         expected = gguf_model(input_ids).logits
         actual = converted(input_ids).logits
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=0)
+
+
+def test_safetensors_are_read_tensor_by_tensor_exactly(tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from agentd.model.loader import iter_state_dict
+
+    tensors = {"a": torch.randn(3, 5), "b": torch.randn(7).to(torch.bfloat16),
+               "c": torch.arange(6, dtype=torch.int64).reshape(2, 3), "d": torch.zeros(0, 4),
+               "e": torch.tensor(2.5, dtype=torch.float16)}
+    path = tmp_path / "m"
+    path.mkdir()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    files = ModelFiles(path=path, name="m", source=str(path))
+    got = dict(iter_state_dict(files, torch.float32))
+    expected = load_file(path / "model.safetensors")
+    assert set(got) == set(expected)
+    for key, tensor in expected.items():
+        assert got[key].shape == tensor.shape
+        # floating-point tensors come back cast to the asked dtype, integers untouched
+        assert got[key].dtype == (torch.float32 if tensor.is_floating_point() else tensor.dtype)
+        assert torch.equal(got[key], tensor.to(got[key].dtype))
+
+    data = (path / "model.safetensors").read_bytes()
+    (path / "model.safetensors").write_bytes(data[:-8])
+    with pytest.raises(ModelLoadError, match="truncated"):
+        dict(iter_state_dict(files, torch.float32))
+
+
+def test_config_is_read_without_transformers_classes(tiny_llama) -> None:
+    path, model = tiny_llama
+    config = load_config(resolve_model(str(path)))
+    assert type(config).__name__ == "ModelConfig"
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_key_value_heads",
+                "rms_norm_eps", "max_position_embeddings", "tie_word_embeddings"):
+        assert getattr(config, key) == getattr(model.config, key), key
+
+    raw = json.loads((path / "config.json").read_text())
+    del raw["hidden_size"]
+    (path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ModelLoadError, match="lacks hidden_size"):
+        load_config(resolve_model(str(path)))
+
+
+def test_tied_embeddings_are_one_tensor(tmp_path: Path) -> None:
+    from agentd.model.llama import LlamaModel
+
+    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, tie_word_embeddings=True)
+    model = LlamaModel(config, device="meta").to_empty(device="cpu")
+    state = {"model.embed_tokens.weight": torch.randn(32, 16)}
+    state |= {k: torch.randn(v.shape) for k, v in LlamaForCausalLM(config).state_dict().items()
+              if "embed_tokens" not in k and "lm_head" not in k}
+    model.load_hf_state_dict(iter(state.items()))
+    assert model.lm_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()
+    assert torch.equal(model.lm_head.weight, state["model.embed_tokens.weight"])

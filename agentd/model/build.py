@@ -14,8 +14,8 @@ from agentd.config import EngineConfig
 from agentd.model.llama import LlamaModel, RotaryEmbedding
 from agentd.model.loader import (
     ModelFiles,
-    load_config,
     iter_state_dict,
+    load_config,
     load_tokenizer,
     model_fingerprint,
     resolve_model,

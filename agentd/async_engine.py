@@ -121,6 +121,7 @@ class AsyncEngine:
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
+        self._parked: tuple[threading.Thread, threading.Event] | None = None
         self._stopping = threading.Event()
         self._stats = engine.stats()
         self._pin_summary = engine.pins.summary()
@@ -128,13 +129,49 @@ class AsyncEngine:
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
-        return cls(LLMEngine(config))
+        """Load the model on the thread that will later run the engine loop (``start()``).
+
+        Torch's OpenMP thread team belongs to the thread that first runs a parallel op; stepping
+        on another thread than the one that loaded the model made every step ~20% slower here
+        (warm 1,800-token prefill: 108 ms on one thread, 125-131 ms across two).
+        """
+        built: Future[LLMEngine] = Future()
+        go = threading.Event()
+        owner: list[AsyncEngine] = []
+
+        def run() -> None:
+            try:
+                built.set_result(LLMEngine(config))
+            except BaseException as exc:
+                built.set_exception(exc)
+                return
+            go.wait()
+            if owner and not owner[0]._stopping.is_set():
+                owner[0]._loop()
+
+        thread = threading.Thread(target=run, name="agentd-engine", daemon=True)
+        thread.start()
+        try:
+            engine = built.result()
+        except BaseException:
+            thread.join()
+            raise
+        self = cls(engine)
+        self._parked = (thread, go)
+        owner.append(self)
+        return self
 
     # --- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="agentd-engine", daemon=True)
-            self._thread.start()
+        if self._thread is not None:
+            return
+        if self._parked is not None:  # the thread that loaded the model runs the loop
+            self._thread, go = self._parked
+            self._parked = None
+            go.set()
+            return
+        self._thread = threading.Thread(target=self._loop, name="agentd-engine", daemon=True)
+        self._thread.start()
 
     def shutdown(self, timeout_s: float = 10.0, drain_s: float = 1.0) -> None:
         """Abort what is still running and stop the loop thread (any thread may call this).
@@ -142,6 +179,12 @@ class AsyncEngine:
         Aborts land between engine steps. Streams still open after ``drain_s`` — a long step is
         running — are ended at once with EngineDeadError, so no client outlives the shutdown.
         """
+        if self._parked is not None:  # built but never started: let its thread end
+            thread, go = self._parked
+            self._parked = None
+            self._stopping.set()
+            go.set()
+            thread.join(timeout_s)
         if self._thread is None:
             return
         self._commands.put(self._abort_all)

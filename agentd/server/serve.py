@@ -15,6 +15,7 @@ from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from agentd.config import EngineConfig
 from agentd.server.app import create_app
@@ -34,6 +35,25 @@ class _ExitStatus:
         self.code = max(self.code, code)
         if self.server is not None:
             self.server.should_exit = True  # uvicorn polls this flag; safe from any thread
+
+
+class _NoDelayH11(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol with TCP_NODELAY on every connection.
+
+    uvicorn writes a response's headers and body separately; on a kept-alive connection Nagle's
+    algorithm held the body until the client's delayed ACK of the headers arrived, adding ~40 ms
+    to every request after a connection's first (measured on loopback: headers at 85 ms, body at
+    126-132 ms; with this, both at ~85 ms). SSE chunks are small writes too.
+    """
+
+    def connection_made(self, transport) -> None:  # type: ignore[no-untyped-def]
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+        super().connection_made(transport)
 
 
 class _Server(uvicorn.Server):
@@ -65,7 +85,7 @@ def serve(config: EngineConfig, settings: ServerSettings, sock: socket.socket, *
     uv_config = uvicorn.Config(
         app, log_level=log_level, access_log=access_log, lifespan="on",
         timeout_graceful_shutdown=max(int(round(settings.shutdown_grace_s)), 1),
-        timeout_keep_alive=5,
+        timeout_keep_alive=5, http=_NoDelayH11,
     )
     server = _Server(uv_config, on_signal=app.state.agentd.begin_shutdown)
     exit_status.server = server

@@ -260,14 +260,30 @@ class AsyncEngine:
         self._check_alive()
         stream = self._open_stream(f"pin-{uuid.uuid4().hex}")
         request_id = stream.request_id
+
+        def undo() -> None:
+            """A cancelled registration leaves nothing: no prefill, no result, no pin."""
+            self.engine.abort_request(request_id)
+            result = self.engine.pin_results.pop(request_id, None)
+            if result is not None and result.pin is not None and result.pin.name == name:
+                self.engine.unpin(name)
+
         try:
             await self.call(lambda e: e.add_pin(name, token_ids, ttl_s, meta, request_id))
-        except BaseException:
-            stream._end(abort=False)  # nothing was queued
+        except asyncio.CancelledError:
+            stream._end(abort=False)
+            self._commands.put(undo)  # add_pin may still run: undo it right after
             raise
-        async for _ in stream:
-            pass
-        return await self.call(lambda e: e.pin_results.pop(request_id))
+        except BaseException:
+            stream._end(abort=False)  # add_pin refused: nothing was queued
+            raise
+        try:
+            async for _ in stream:
+                pass
+            return await self.call(lambda e: e.pin_results.pop(request_id))
+        except asyncio.CancelledError:
+            self._commands.put(undo)
+            raise
 
     def abort(self, request_id: str) -> None:
         self._commands.put(lambda: self.engine.abort_request(request_id))
@@ -278,6 +294,8 @@ class AsyncEngine:
         future: Future[T] = Future()
 
         def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return  # the caller was cancelled before its turn: skip it
             try:
                 future.set_result(fn(self.engine))
             except BaseException as exc:

@@ -163,3 +163,34 @@ def test_too_long_prompt_is_refused_at_add_time(engine: AsyncEngine) -> None:
 
 async def _add(engine: AsyncEngine, prompt_ids: list[int]) -> None:
     engine.add_request(prompt_ids, GREEDY)
+
+
+def test_a_cancelled_pin_registration_leaves_nothing_behind(engine: AsyncEngine,
+                                                            prompts: list[list[int]]) -> None:
+    """Cancelling ``run_pin`` mid-prefill (a client that hangs up on POST /v1/pins) aborts the
+    prefill, registers no pin, holds no block and keeps no stray result on the engine."""
+    tokens = (prompts[0] * 40)[:200]
+
+    async def main() -> tuple[int, tuple[int, int, int], int, int]:
+        survivor = asyncio.create_task(collect(engine.add_request(prompts[1], GREEDY)))
+        task = asyncio.create_task(engine.run_pin("doomed", tokens, None, {}))
+        while engine.pending()["streams"] < 2:
+            await asyncio.sleep(0)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # a cancelled engine call once failed the engine step, aborting every other request
+        assert sum(len(d.token_ids) for d in await survivor) == 12
+        for _ in range(100):  # the abort and the clean-up land a step later
+            if engine.pending()["streams"] == 0 and engine.pending()["commands"] == 0:
+                break
+            await asyncio.sleep(0.01)
+        num_results = await engine.call(lambda e: len(e.pin_results))
+        num_pins = await engine.call(lambda e: len(e.pins.registry))
+        return num_results, await pool_state(engine), num_pins, engine.pending()["streams"]
+
+    num_results, state, num_pins, num_streams = run(main)
+    assert num_results == 0
+    assert state == (0, 0, 0)
+    assert num_pins == 0
+    assert num_streams == 0

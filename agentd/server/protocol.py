@@ -62,7 +62,7 @@ class FunctionDef(msgspec.Struct, kw_only=True, omit_defaults=True):
     strict: bool | None = None
 
 
-class Tool(msgspec.Struct, kw_only=True, omit_defaults=True):
+class Tool(msgspec.Struct, kw_only=True):  # "type" always kept: templates may read it
     function: FunctionDef
     type: str = "function"
 

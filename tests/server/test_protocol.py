@@ -430,3 +430,16 @@ def test_model_list_and_error_shapes() -> None:
     assert encode(error_body("bad", param="top_p")) == {
         "error": {"message": "bad", "type": "invalid_request_error", "param": "top_p", "code": None}
     }
+
+
+def test_template_inputs_keep_the_tool_type_and_drop_unset_fields() -> None:
+    """Templates see tools as OpenAI sent them: ``{"type": "function", "function": {...}}``
+    (the default ``type`` once vanished through omit_defaults), unset optional fields absent."""
+    from agentd.server.protocol import to_template_inputs
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"function": {"name": "f", "parameters": {"type": "object"}}}]}
+    inputs = to_template_inputs(decode_chat(body))
+    assert inputs.tools == [{"function": {"name": "f", "parameters": {"type": "object"}},
+                             "type": "function"}]
+    assert inputs.messages == [{"role": "user", "content": "hi"}]

@@ -190,8 +190,26 @@ class PinService:
             logger.error("ignoring unreadable pin registry %s: %s", path, exc)
             return []
 
+    def remove_stale_temp_files(self) -> list[Path]:
+        """Delete ``.NAME.PID.tmp`` files (pins.json and KV snapshots being written) whose writer
+        is gone: a crash mid-write leaves them behind, and nothing else ever removes them."""
+        removed = []
+        for tmp in [*self.state_dir.glob(".*.tmp"), *self.state_dir.glob("kv/*/.*.tmp")]:
+            pid = tmp.name.rsplit(".", 2)[-2]
+            if not pid.isdigit() or _alive(int(pid)):
+                continue
+            try:
+                tmp.unlink()
+                removed.append(tmp)
+            except OSError as exc:
+                logger.warning("could not remove stale %s: %s", tmp, exc)
+        if removed:
+            logger.info("removed %d stale temporary file(s) left by a crash", len(removed))
+        return removed
+
     async def restore_all(self) -> list[dict[str, Any]]:
         """Re-pin every registered prefix: from its KV snapshot when valid, else by prefill."""
+        self.remove_stale_temp_files()
         report = []
         for spec in self.load_specs():
             start = time.monotonic()
@@ -221,3 +239,15 @@ class PinService:
         described = await self.add(spec, persist=False)
         await self._snapshot(spec.name)
         return {"name": spec.name, "source": "recompute", "num_tokens": described["num_tokens"]}
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True

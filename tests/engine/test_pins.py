@@ -289,3 +289,25 @@ def test_pin_spec_round_trips_through_json():
     spec = PinSpec("a", "sys", [{"type": "function", "function": {"name": "f"}}], 60.0, 1.5)
     assert PinSpec(**json.loads(json.dumps(spec.to_json()))) == copy.deepcopy(spec)
     assert time.time() > 0
+
+
+def test_stale_temporary_files_of_dead_writers_are_removed(tmp_path) -> None:
+    import os
+    import subprocess
+
+    from agentd.pin_service import PinService
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    kv = tmp_path / "kv" / "abc-b16"
+    kv.mkdir(parents=True)
+    stale = [tmp_path / f".pins.json.{dead.pid}.tmp", kv / f".base.pt.{dead.pid}.tmp"]
+    live = [tmp_path / f".pins.json.{os.getpid()}.tmp", kv / f".other.pt.{os.getppid()}.tmp"]
+    kept = [tmp_path / "pins.json", kv / "base.pt", tmp_path / ".notes.tmp"]
+    for path in stale + live + kept:
+        path.write_text("x")
+    service = PinService.__new__(PinService)  # only the state dir matters here
+    service.state_dir = tmp_path
+    assert sorted(service.remove_stale_temp_files()) == sorted(stale)
+    assert all(p.exists() for p in live + kept)
+    assert not any(p.exists() for p in stale)

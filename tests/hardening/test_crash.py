@@ -180,6 +180,7 @@ def test_kill_while_a_snapshot_is_half_written(daemons) -> None:
     restarted = daemons()  # ... so the pin is recomputed, not restored from a torn file
     assert assert_every_listed_pin_serves(restarted, systems) == ["base"]
     assert list(kv_dir.glob("*/base.pt"))  # the recompute wrote a whole snapshot
+    assert not list(kv_dir.glob("*/.*.tmp"))  # and the torn write was cleaned up
     restarted.stop()
     again = daemons()  # and a clean restart restores from it
     assert assert_every_listed_pin_serves(again, systems) == ["base"]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from agentd.config import EngineConfig
-from agentd.model.llama import LlamaModel, RotaryEmbedding
+from agentd.model.llama import LlamaModel, RotaryEmbedding, pack_linears
 from agentd.model.loader import (
     ModelFiles,
     iter_state_dict,
@@ -82,11 +82,13 @@ def load_model(config: EngineConfig) -> LoadedModel:
     model = model.to_empty(device="cpu")
     model.load_hf_state_dict(iter_state_dict(files, torch.float32))
     model = model.to(device=device, dtype=dtype).eval()
+    num_packed = pack_linears(model) if device.type == "cpu" else 0
     # The cos/sin table stays float32 whatever the weights' dtype (built after the cast).
     model.rotary = RotaryEmbedding(hf_config, model.dims.head_dim,
                                    model.dims.max_position_embeddings).to(device)
     dtype_name = str(dtype).removeprefix("torch.")
     fingerprint = model_fingerprint(files, hf_config, tokenizer, dtype_name)
-    logger.info("loaded %s (%s) on %s as %s", files.name, hf_config.model_type, device, dtype_name)
+    logger.info("loaded %s (%s) on %s as %s%s", files.name, hf_config.model_type, device,
+                dtype_name, f", {num_packed} linear layers packed for oneDNN" if num_packed else "")
     return LoadedModel(files, hf_config, tokenizer, model, device, dtype, fingerprint,
                        eos_token_ids(hf_config, tokenizer, files))

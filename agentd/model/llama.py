@@ -126,6 +126,63 @@ class RotaryEmbedding(nn.Module):
         return out
 
 
+class PackedLinear(nn.Module):
+    """A CPU linear layer whose weight is reordered once into oneDNN's blocked layout.
+
+    Why: torch's CPU ``F.linear`` goes through MKL, which on this project's AMD test machine
+    runs without AVX-512; oneDNN's packed fp32 GEMM was 2-3.5x faster on the default model's
+    layer shapes (all 30 layers: batch 1 25.5 -> 11.5 ms, batch 8 35.8 -> 13.6 ms, a 2,048-token
+    prefill chunk 2.37 -> 0.95 s). Still true fp32 (differences from MKL are rounding-level), and
+    a row's result does not depend on how many rows share the call. The dense weight is dropped,
+    so memory does not grow; the layer is inference-only.
+    """
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [],
+                                                  "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN"
+
+
+def pack_linears(model: nn.Module) -> int:
+    """Swap every ``nn.Linear`` of a CPU fp32/bf16 model for a :class:`PackedLinear`, after a
+    self-check against ``F.linear``; returns how many were packed (0 when oneDNN is missing or
+    disagrees). A linear sharing its weight with another module (a tied LM head) stays as is."""
+    linears = [(parent, name, child) for parent in model.modules()
+               for name, child in parent.named_children() if type(child) is nn.Linear]
+    if not linears or not torch.backends.mkldnn.is_available():
+        return 0
+    first = linears[0][2]
+    if first.weight.device.type != "cpu" or first.weight.dtype not in (torch.float32,
+                                                                       torch.bfloat16):
+        return 0
+    shared = {id(p) for m in model.modules() if not isinstance(m, nn.Linear)
+              for p in m.parameters(recurse=False)}
+    try:  # the op is internal to torch: check it before trusting it
+        probe = torch.randn(3, first.in_features, dtype=first.weight.dtype)
+        expected = F.linear(probe, first.weight, first.bias)
+        got = PackedLinear(first)(probe)
+        tolerance = 1e-4 if first.weight.dtype == torch.float32 else 5e-2
+        if not torch.allclose(got.float(), expected.float(), atol=tolerance, rtol=tolerance):
+            return 0
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return 0
+    num_packed = 0
+    for parent, name, child in linears:
+        if id(child.weight) in shared:
+            continue
+        setattr(parent, name, PackedLinear(child))
+        num_packed += 1
+    return num_packed
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, device: torch.device | str | None = None) -> None:
         super().__init__()

@@ -11,7 +11,12 @@ from dataclasses import dataclass
 import torch
 
 from agentd.config import EngineConfig
-from agentd.model.llama import LlamaModel, RotaryEmbedding, pack_linears
+from agentd.model.llama import (
+    LlamaModel,
+    RotaryEmbedding,
+    pack_linears,
+    release_free_memory,
+)
 from agentd.model.loader import (
     ModelFiles,
     iter_state_dict,
@@ -86,6 +91,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     # The cos/sin table stays float32 whatever the weights' dtype (built after the cast).
     model.rotary = RotaryEmbedding(hf_config, model.dims.head_dim,
                                    model.dims.max_position_embeddings).to(device)
+    release_free_memory()
     dtype_name = str(dtype).removeprefix("torch.")
     fingerprint = model_fingerprint(files, hf_config, tokenizer, dtype_name)
     logger.info("loaded %s (%s) on %s as %s%s", files.name, hf_config.model_type, device,

@@ -8,9 +8,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -71,38 +68,13 @@ def test_user_errors_are_one_line(runner: CliRunner, monkeypatch, tmp_path) -> N
 
 
 @pytest.fixture(scope="module")
-def tiny_daemon(tiny_model_factory, tmp_path_factory) -> Iterator[tuple[str, Path]]:
+def tiny_daemon(tiny_model_factory, tmp_path_factory, daemon_process) -> Iterator[tuple[str, Path]]:
     """A real ``agentd start`` on a tiny random llama with a 16 MiB pool; (URL, model dir)."""
     model_dir = tiny_model_factory("llama")
-    state_dir = tmp_path_factory.mktemp("bench-state")
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")}
-    log_path = state_dir / "daemon.log"
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "agentd.cli", "start", "--port", str(port), "--state-dir",
-             str(state_dir), "--model", str(model_dir), "--kv-cache-memory", "16MiB",
-             "--log-level", "warning"], stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, log_path.read_text()[-3000:]
-            assert time.monotonic() < deadline, "the daemon was not ready within 120 s"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        yield url, model_dir
-    finally:
-        try:
-            httpx.post(f"{url}/admin/shutdown", timeout=5)
-            process.wait(30)
-        except (httpx.HTTPError, subprocess.TimeoutExpired):
-            process.kill()
-            process.wait()
+    with daemon_process(tmp_path_factory.mktemp("bench-state"), "--model", str(model_dir),
+                        "--kv-cache-memory", "16MiB", "--log-level", "warning",
+                        ready_timeout_s=120) as daemon:
+        yield daemon.url, model_dir
 
 
 def run_bench(runner: CliRunner, *args: str) -> dict:

@@ -10,15 +10,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 
-import httpx
 import pytest
 
 pytestmark = pytest.mark.slow
@@ -26,43 +23,12 @@ pytestmark = pytest.mark.slow
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "agents"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory) -> Iterator[tuple[str, Path]]:
+def daemon(tmp_path_factory, daemon_process) -> Iterator[tuple[str, Path]]:
     """``python -m agentd.cli start`` with the default model; yields (base URL, work dir)."""
     root = tmp_path_factory.mktemp("agentd-examples")
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")}
-    with open(root / "daemon.log", "wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "agentd.cli", "start", "--port", str(port), "--state-dir",
-             str(root / "state"), "--log-level", "warning"],
-            stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert process.poll() is None, (root / "daemon.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "the daemon was not ready within 300 s"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        yield url, root
-    finally:
-        try:
-            httpx.post(f"{url}/admin/shutdown", timeout=5)
-            process.wait(30)
-        except (httpx.HTTPError, subprocess.TimeoutExpired):
-            process.kill()
-            process.wait()
+    with daemon_process(root / "state", "--log-level", "warning") as daemon:
+        yield daemon.url, root
 
 
 @pytest.fixture(scope="module")

@@ -12,10 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -35,80 +31,36 @@ BIG = json.loads(resources.files("agentd.workloads").joinpath("coding_agent.json
 READY_TIMEOUT_S = 120.0
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def pin(daemon: Any, name: str, system: str) -> httpx.Response:
+    return httpx.post(f"{daemon.url}/v1/pins", json={"name": name, "system": system},
+                      timeout=120)
 
 
-class Daemon:
-    """One ``agentd start`` process on a free port; ``kill()`` is SIGKILL, no cleanup at all."""
+def cached_tokens(daemon: Any, system: str) -> int:
+    reply = httpx.post(f"{daemon.url}/v1/chat/completions", timeout=120, json={
+        "messages": [{"role": "system", "content": system},
+                     {"role": "user", "content": "Where do I start?"}], "max_tokens": 2})
+    assert reply.status_code == 200, reply.text
+    return reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
 
-    def __init__(self, model_dir: Path, state_dir: Path, **env: str) -> None:
-        self.state_dir = state_dir
-        self.url = f"http://127.0.0.1:{_free_port()}"
-        child_env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")}
-        child_env.update(env, AGENTD_NUM_THREADS="1")
-        self.log_path = state_dir.parent / f"{state_dir.name}-{time.monotonic_ns()}.log"
-        with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "agentd.cli", "start", "--model", str(model_dir),
-                 "--state-dir", str(state_dir), "--port", self.url.rsplit(":", 1)[1],
-                 "--kv-cache-memory", "8MiB", "--log-level", "warning"],
-                stdout=log, stderr=subprocess.STDOUT, env=child_env)
-        self._wait_ready()
 
-    def _wait_ready(self) -> None:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, f"the daemon exited:\n{self.log()}"
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        self.kill()
-        pytest.fail(f"the daemon was not ready in {READY_TIMEOUT_S:.0f} s:\n{self.log()}")
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")[-3000:]
-
-    def kill(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-        self.process.wait(30)
-
-    def stop(self) -> None:
-        try:
-            httpx.post(f"{self.url}/admin/shutdown", timeout=5)
-            self.process.wait(30)
-        except (httpx.HTTPError, subprocess.TimeoutExpired):
-            self.kill()
-        assert self.process.returncode == 0, self.log()
-
-    def pin(self, name: str, system: str) -> httpx.Response:
-        return httpx.post(f"{self.url}/v1/pins", json={"name": name, "system": system},
-                          timeout=120)
-
-    def cached_tokens(self, system: str) -> int:
-        reply = httpx.post(f"{self.url}/v1/chat/completions", timeout=120, json={
-            "messages": [{"role": "system", "content": system},
-                         {"role": "user", "content": "Where do I start?"}], "max_tokens": 2})
-        assert reply.status_code == 200, reply.text
-        return reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+def stop(daemon: Any) -> None:
+    assert daemon.stop() == 0, daemon.log()
 
 
 @pytest.fixture
-def daemons(tiny_model_factory, tmp_path) -> Iterator[Any]:
+def daemons(tiny_model_factory, tmp_path, daemon_process) -> Iterator[Any]:
     """Start daemons over one state dir; every one is killed at the end, whatever happens."""
-    started: list[Daemon] = []
+    started: list[Any] = []
     model_dir = tiny_model_factory("llama")
 
-    def start(**env: str) -> Daemon:
-        daemon = Daemon(model_dir, tmp_path / "state", **env)
+    def start(**env: str) -> Any:
+        daemon = daemon_process(tmp_path / "state", "--model", str(model_dir),
+                                "--kv-cache-memory", "8MiB", "--log-level", "warning",
+                                env={**env, "AGENTD_NUM_THREADS": "1"},
+                                ready_timeout_s=READY_TIMEOUT_S)
         started.append(daemon)
-        return daemon
+        return daemon.start()
 
     yield start
     for daemon in started:
@@ -122,19 +74,19 @@ def registry(state_dir: Path) -> list[str]:
     return [entry["name"] for entry in doc["pins"]]
 
 
-def assert_every_listed_pin_serves(daemon: Daemon, systems: dict[str, str]) -> list[str]:
+def assert_every_listed_pin_serves(daemon: Any, systems: dict[str, str]) -> list[str]:
     names = registry(daemon.state_dir)
     listed = {p["name"]: p for p in httpx.get(f"{daemon.url}/v1/pins", timeout=30).json()["data"]}
     assert sorted(listed) == sorted(names), daemon.log()
     for name in names:
-        assert daemon.cached_tokens(systems[name]) >= listed[name]["num_tokens"] > 0
+        assert cached_tokens(daemon, systems[name]) >= listed[name]["num_tokens"] > 0
     return names
 
 
-def _pin_in_background(daemon: Daemon, name: str, system: str) -> threading.Thread:
+def _pin_in_background(daemon: Any, name: str, system: str) -> threading.Thread:
     def post() -> None:
         try:
-            daemon.pin(name, system)
+            pin(daemon, name, system)
         except httpx.HTTPError:
             pass  # the daemon was killed under it: that is the point
 
@@ -148,7 +100,7 @@ def _pin_in_background(daemon: Daemon, name: str, system: str) -> threading.Thre
 def test_kill_during_pin_registration_keeps_old_or_new_registry(daemons, delay_s: float) -> None:
     systems = {"base": BASE, "big": BIG}
     daemon = daemons()
-    assert daemon.pin("base", BASE).status_code == 201
+    assert pin(daemon, "base", BASE).status_code == 201
     thread = _pin_in_background(daemon, "big", BIG)
     time.sleep(delay_s)
     daemon.kill()
@@ -158,9 +110,9 @@ def test_kill_during_pin_registration_keeps_old_or_new_registry(daemons, delay_s
     assert names in (["base"], ["base", "big"])
     restarted = daemons()
     assert assert_every_listed_pin_serves(restarted, systems) == names
-    assert restarted.pin("big", BIG).status_code in (201, 409)  # registering again works
+    assert pin(restarted, "big", BIG).status_code in (201, 409)  # registering again works
     assert_every_listed_pin_serves(restarted, systems)
-    restarted.stop()
+    stop(restarted)
 
 
 @pytest.mark.slow
@@ -181,10 +133,10 @@ def test_kill_while_a_snapshot_is_half_written(daemons) -> None:
     assert assert_every_listed_pin_serves(restarted, systems) == ["base"]
     assert list(kv_dir.glob("*/base.pt"))  # the recompute wrote a whole snapshot
     assert not list(kv_dir.glob("*/.*.tmp"))  # and the torn write was cleaned up
-    restarted.stop()
+    stop(restarted)
     again = daemons()  # and a clean restart restores from it
     assert assert_every_listed_pin_serves(again, systems) == ["base"]
-    again.stop()
+    stop(again)
 
 
 # --- a full or unwritable state dir ------------------------------------------------------------

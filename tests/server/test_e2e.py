@@ -7,14 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from importlib import resources
-from pathlib import Path
 
 import httpx
 import openai
@@ -30,49 +24,11 @@ WEATHER_TOOL = {"type": "function", "function": {
                    "required": ["city"]}}}
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory) -> Iterator[str]:
+def daemon(tmp_path_factory, daemon_process) -> Iterator[str]:
     """``python -m agentd.cli start`` with the default model; yields its base URL."""
-    state_dir = tmp_path_factory.mktemp("agentd-state")
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")}
-    log_path = state_dir / "daemon.log"
-    with open(log_path, "wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "agentd.cli", "start", "--port", str(port),
-             "--state-dir", str(state_dir), "--log-level", "warning"],
-            stdout=log, stderr=subprocess.STDOUT, env=env)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(url, process, log_path)
-        yield url
-    finally:
-        try:
-            httpx.post(f"{url}/admin/shutdown", timeout=5)
-            process.wait(30)
-        except (httpx.HTTPError, subprocess.TimeoutExpired):
-            process.kill()
-            process.wait()
-    assert process.returncode == 0, log_path.read_text()[-3000:]
-
-
-def _wait_healthy(url: str, process: subprocess.Popen, log_path: Path) -> None:
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        assert process.poll() is None, f"daemon exited:\n{log_path.read_text()[-3000:]}"
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    pytest.fail("the daemon was not ready within 300 s")
+    with daemon_process(tmp_path_factory.mktemp("agentd-state"), "--log-level", "warning") as d:
+        yield d.url
 
 
 @pytest.fixture(scope="module")

@@ -11,16 +11,9 @@ the first request hits.
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
-import signal
-import subprocess
-import sys
-import time
-from collections.abc import Iterator
 from importlib import resources
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -36,81 +29,14 @@ DAEMON_ARGS = ("--kv-cache-memory", "127MiB", "--max-pinned-fraction", "0.85",
 UNIQUE_PROMPT_BLOCKS = 20
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Daemon:
-    """One ``python -m agentd.cli start`` process; ``start()`` again after ``kill()``."""
-
-    def __init__(self, state_dir: Path, port: int) -> None:
-        self.state_dir = state_dir
-        self.url = f"http://127.0.0.1:{port}"
-        self.port = port
-        self.process: subprocess.Popen | None = None
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")}
-
-    def start(self) -> None:
-        log = open(self.state_dir / "test-daemon.log", "ab")  # noqa: SIM115 - the child owns it
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "agentd.cli", "start", "--port", str(self.port),
-             "--state-dir", str(self.state_dir), *DAEMON_ARGS],
-            stdout=log, stderr=subprocess.STDOUT, env=self.env)
-        log.close()
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            assert self.process is not None and self.process.poll() is None, self.log()[-3000:]
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        pytest.fail("the daemon was not ready within 300 s")
-
-    def kill(self) -> None:
-        assert self.process is not None
-        self.process.send_signal(signal.SIGKILL)
-        self.process.wait(30)
-
-    def stop(self) -> int | None:
-        if self.process is None or self.process.poll() is not None:
-            return None if self.process is None else self.process.returncode
-        try:
-            httpx.post(f"{self.url}/admin/shutdown", timeout=5)
-            return self.process.wait(30)
-        except (httpx.HTTPError, subprocess.TimeoutExpired):
-            self.process.kill()
-            return self.process.wait()
-
-    def log(self) -> str:
-        return (self.state_dir / "test-daemon.log").read_text(errors="replace")
-
-    def cli(self, *args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "agentd.cli", *args, "--url", self.url],
-                              capture_output=True, text=True, env=self.env, timeout=600)
-
-
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory) -> Iterator[Daemon]:
-    daemon = Daemon(tmp_path_factory.mktemp("agentd-pins"), free_port())
-    daemon.start()
-    try:
-        daemon.wait_ready()
+def daemon(tmp_path_factory, daemon_process):
+    with daemon_process(tmp_path_factory.mktemp("agentd-pins"), *DAEMON_ARGS) as daemon:
         yield daemon
-    finally:
-        code = daemon.stop()
-    assert code == 0, daemon.log()[-3000:]
 
 
 @pytest.fixture(scope="module")
-def research(daemon: Daemon) -> dict[str, Any]:
+def research(daemon) -> dict[str, Any]:
     workload = json.loads(resources.files("agentd.workloads").joinpath("research_agent.json")
                           .read_text())
     (daemon.state_dir / "research.txt").write_text(workload["system"])
@@ -127,7 +53,7 @@ def chat(client: openai.OpenAI, system: str, text: str, tools: Any = None) -> in
     return reply.usage.prompt_tokens_details.cached_tokens
 
 
-def test_pin_survives_pressure_and_kill_9(daemon: Daemon, research: dict[str, Any]) -> None:
+def test_pin_survives_pressure_and_kill_9(daemon, research: dict[str, Any]) -> None:
     client = openai.OpenAI(base_url=f"{daemon.url}/v1", api_key="unused", max_retries=0)
     pinned = daemon.cli("pin", str(daemon.state_dir / "research.txt"), "--tools",
                         str(daemon.state_dir / "tools.json"))
@@ -165,8 +91,7 @@ def test_pin_survives_pressure_and_kill_9(daemon: Daemon, research: dict[str, An
     daemon.kill()
     registry = json.loads((daemon.state_dir / "pins.json").read_text())
     assert [p["name"] for p in registry["pins"]] == ["research"]
-    daemon.start()
-    daemon.wait_ready()
+    daemon.start()  # returns once /health is 200
     (listed,) = httpx.get(f"{daemon.url}/v1/pins").json()["data"]
     assert listed["name"] == "research" and listed["num_tokens"] == num_tokens
     (report,) = httpx.get(f"{daemon.url}/v1/stats").json()["pin_restore"]

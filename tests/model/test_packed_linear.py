@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig
 
-from agentd.model.llama import LlamaModel, PackedLinear, pack_linears
+from agentd.model.llama import LlamaModel, PackedLinear, SharedWeightLinear, pack_linears
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
                                 reason="this torch build has no oneDNN")
@@ -42,7 +42,7 @@ def test_a_row_does_not_depend_on_the_batch_it_runs_in() -> None:
 
 
 @pytest.mark.parametrize("tie", [True, False])
-def test_pack_linears_swaps_every_layer_but_a_tied_head(tie: bool) -> None:
+def test_pack_linears_swaps_every_layer_and_keeps_a_tied_head_dense(tie: bool) -> None:
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie)
     model = LlamaModel(config)
@@ -52,8 +52,8 @@ def test_pack_linears_swaps_every_layer_but_a_tied_head(tie: bool) -> None:
     mlp = model.layers[0].mlp.gate_up_proj(x)
     assert pack_linears(model) == num_linears - (1 if tie else 0)
     assert isinstance(model.layers[0].mlp.gate_up_proj, PackedLinear)
-    assert isinstance(model.lm_head, nn.Linear if tie else PackedLinear)
-    if tie:
+    assert isinstance(model.lm_head, SharedWeightLinear if tie else PackedLinear)
+    if tie:  # still one tensor: the embedding lookup needs it dense
         assert model.lm_head.weight is model.embed_tokens.weight
     torch.testing.assert_close(model.layers[0].mlp.gate_up_proj(x), mlp, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(model.lm_head(x), head, atol=1e-5, rtol=1e-5)

@@ -193,7 +193,19 @@ class AsyncEngine:
         for request_id in list(self._streams):
             self._post(request_id, EngineDeadError("the server is shutting down"))
         self._thread.join(max(timeout_s - drain_s, 0.0))
-        self._thread = None
+        if not self._thread.is_alive():
+            self._thread = None
+        # else: a long step is still running; the loop ends after it (see wait_stopped)
+
+    def wait_stopped(self, timeout_s: float) -> bool:
+        """After ``shutdown``: wait for the loop thread to end; True once it has. A process that
+        exits while that thread is inside torch aborts (SIGABRT), so the daemon waits here."""
+        thread = self._thread
+        if thread is not None and thread.is_alive():
+            thread.join(timeout_s)
+        if thread is not None and not thread.is_alive():
+            self._thread = None
+        return self._thread is None
 
     @property
     def running(self) -> bool:

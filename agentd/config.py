@@ -52,6 +52,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     max_pinned_fraction: float = 0.5
     attention_backend: str = "auto"
+    cpu_linear: str = "onednn"  # "onednn" (packed weights) or "torch" (F.linear, MKL)
     seed: int = 0
     num_threads: int | None = None
     extra: dict[str, str] = field(default_factory=dict)
@@ -82,5 +83,7 @@ class EngineConfig:
             raise ValueError(
                 f"attention_backend must be auto, torch or triton, not {self.attention_backend!r}"
             )
+        if self.cpu_linear not in ("onednn", "torch"):
+            raise ValueError(f"cpu_linear must be onednn or torch, not {self.cpu_linear!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, not {self.num_threads}")

@@ -2,7 +2,8 @@
 
 Rows: decode over a long shared prefix (the agent case) with the plain reference decode attention
 (gathers every row's whole context) vs the grouped path (a shared prefix gathered once); cold
-prefill of a ~2,000-token prompt with masked vs plain-causal attention; float32 vs bfloat16.
+prefill of a ~2,000-token prompt with masked vs plain-causal attention; float32 vs bfloat16; and
+linear layers through torch's ``F.linear`` (MKL) vs oneDNN with packed weights (the default).
 
     python benchmarks/cpu_levers.py [--batch 8] [--prefix-tokens 2000] [--max-tokens 32]
 """
@@ -76,6 +77,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     args = parser.parse_args()
     rows = []
+    linear_rows = []
+    for cpu_linear in ("torch", "onednn"):
+        llm = LLM(cpu_linear=cpu_linear, kv_cache_memory="1GiB")
+        prefix, batch = prompts(llm.tokenizer, args.prefix_tokens, args.batch)
+        linear_rows.append((cpu_linear, decode_tok_s(llm, batch[:1], args.max_tokens),
+                            decode_tok_s(llm, batch, args.max_tokens), cold_ttft_s(llm, prefix)))
+        del llm
     for dtype in ("float32", "bfloat16"):
         llm = LLM(dtype=dtype, kv_cache_memory="1GiB")
         prefix, batch = prompts(llm.tokenizer, args.prefix_tokens, args.batch)
@@ -98,6 +106,13 @@ def main() -> None:
               f"{ref_cold:11.2f} {new_cold:11.2f} {ref_cold / new_cold:6.2f}")
     print(f"bfloat16 / float32 decode tok/s: {rows[1][2] / rows[0][2]:.2f}x; "
           f"cold TTFT: {rows[0][4] / rows[1][4]:.2f}x faster")
+    print(f"\n{'linear':9} {'decode b=1':>11} {'decode b=' + str(args.batch):>11} "
+          f"{'cold s':>8}   (float32)")
+    for name, one, many, cold in linear_rows:
+        print(f"{name:9} {one:11.1f} {many:11.1f} {cold:8.2f}")
+    (_, one0, many0, cold0), (_, one1, many1, cold1) = linear_rows
+    print(f"onednn / torch: decode b=1 {one1 / one0:.2f}x, b={args.batch} {many1 / many0:.2f}x, "
+          f"cold TTFT {cold0 / cold1:.2f}x faster")
 
 
 if __name__ == "__main__":

@@ -62,6 +62,9 @@ def _option(name: str, **kwargs: Any) -> Any:
          type=click.Choice(["auto", "float32", "float16", "bfloat16"]), help="Weight dtype.")
 @_option("--attention-backend", default=_DEFAULTS["attention_backend"],
          type=click.Choice(["auto", "torch", "triton"]), help="Attention kernels.")
+@_option("--cpu-linear", default=_DEFAULTS["cpu_linear"],
+         type=click.Choice(["onednn", "torch"]),
+         help="CPU matmuls: oneDNN with packed weights, or torch's F.linear.")
 @_option("--no-prefix-caching", is_flag=True, help="Turn prefix (KV) caching off.")
 @_option("--seed", default=_DEFAULTS["seed"], type=int, help="Seed for requests without one.")
 @_option("--num-threads", default=None, type=int, help="CPU threads for torch [default: all].")
@@ -126,7 +129,8 @@ def engine_config(params: dict[str, Any]) -> EngineConfig:
             max_model_len=params["max_model_len"],
             enable_prefix_caching=not params["no_prefix_caching"],
             max_pinned_fraction=params["max_pinned_fraction"],
-            attention_backend=params["attention_backend"], seed=params["seed"],
+            attention_backend=params["attention_backend"], cpu_linear=params["cpu_linear"],
+            seed=params["seed"],
             num_threads=params["num_threads"],
         )
     except ValueError as exc:

@@ -9,7 +9,7 @@ import torch
 
 from agentd.kernels.decode_attention import torch_decode_attention
 from agentd.kernels.kv_write import reference_write_kv
-from agentd.kernels.prefill_attention import reference_prefill_attention
+from agentd.kernels.prefill_attention import torch_prefill_attention
 
 
 class _WriteKV(Protocol):
@@ -37,7 +37,7 @@ class AttentionBackend:
 
 
 TORCH_BACKEND = AttentionBackend(
-    "torch", reference_write_kv, torch_decode_attention, reference_prefill_attention
+    "torch", reference_write_kv, torch_decode_attention, torch_prefill_attention
 )
 
 

@@ -69,6 +69,109 @@ def reference_prefill_attention(
     return out
 
 
+def torch_prefill_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The CPU path: :func:`reference_prefill_attention`'s contract, shared prefixes read once.
+
+    Agents that send the same system prompt arrive together and are prefilled in one step, each
+    over the same cached blocks. Chunks whose sequences share leading full blocks (before any of
+    their queries) are grouped by first block: the shared keys are gathered once, each chunk's
+    own tail is appended, and the whole group runs as one attention call whose mask lets every
+    row see the shared prefix and, causally, only its own tail. The others go one by one.
+    """
+    out = torch.empty_like(query)
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    block_size = kv_cache.shape[2]
+    groups: dict[int, list[int]] = {}
+    for i, seq_len in enumerate(lens):
+        num_queries = starts[i + 1] - starts[i]
+        if num_queries == 0:
+            continue
+        first = int(block_tables[i, 0]) if seq_len - num_queries >= block_size else -1 - i
+        groups.setdefault(first, []).append(i)
+    tables = None
+    for rows in groups.values():
+        if len(rows) > 1:
+            if tables is None:
+                tables = block_tables.tolist()
+            if _grouped_prefill(query, kv_cache, tables, starts, lens, rows, scale, out):
+                continue
+        for i in rows:
+            _one_prefill(query, kv_cache, block_tables, starts, lens, i, scale, out)
+    return out
+
+
+def _one_prefill(query, kv_cache, block_tables, starts, lens, i, scale, out) -> None:
+    seq_len, start, end = lens[i], starts[i], starts[i + 1]
+    one = torch.tensor([0, end - start], dtype=torch.int32)
+    out[start:end] = reference_prefill_attention(
+        query[start:end], kv_cache, block_tables[i: i + 1], one,
+        torch.tensor([seq_len], dtype=torch.int32), scale)
+
+
+def _grouped_prefill(query, kv_cache, tables, starts, lens, rows, scale, out) -> bool:
+    """One attention call for chunks over a common cached prefix; False if they share none."""
+    block_size, num_kv_heads, head_dim = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
+    limit = min(lens[i] - (starts[i + 1] - starts[i]) for i in rows) // block_size
+    first = tables[rows[0]]
+    num_shared = 0
+    while num_shared < limit and all(tables[i][num_shared] == first[num_shared] for i in rows):
+        num_shared += 1
+    if num_shared == 0:
+        return False
+    shared_len = num_shared * block_size
+    device = query.device
+    block_ids = [torch.tensor(first[:num_shared], dtype=torch.long, device=device)]
+    tail_lens = []
+    for i in rows:
+        tail_len = lens[i] - shared_len
+        tail_lens.append(tail_len)
+        block_ids.append(torch.tensor(tables[i][num_shared:num_shared + -(-tail_len // block_size)],
+                                      dtype=torch.long, device=device))
+    blocks = kv_cache.index_select(0, torch.cat(block_ids))  # [nb, 2, B, Hkv, D]
+    # Each part's tokens, in order: the shared prefix, then every chunk's own tail.
+    keep = [torch.arange(shared_len, device=device)]
+    offset, key_offsets = shared_len, []
+    for tail_len in tail_lens:
+        key_offsets.append(sum(len(k) for k in keep))
+        keep.append(torch.arange(offset, offset + tail_len, device=device))
+        offset += -(-tail_len // block_size) * block_size
+    index = torch.cat(keep)
+    keys = blocks[:, 0].reshape(-1, num_kv_heads, head_dim).index_select(0, index)
+    values = blocks[:, 1].reshape(-1, num_kv_heads, head_dim).index_select(0, index)
+    num_keys = len(index)
+    queries = torch.cat([query[starts[i]:starts[i + 1]] for i in rows])
+    mask = torch.zeros(len(queries), num_keys, dtype=torch.bool, device=device)
+    mask[:, :shared_len] = True
+    row = 0
+    for i, tail_len, key_offset in zip(rows, tail_lens, key_offsets, strict=True):
+        num_queries = starts[i + 1] - starts[i]
+        # query j sits at position lens[i] - num_queries + j; tail key c at shared_len + c
+        visible = (torch.arange(tail_len, device=device)[None, :]
+                   <= (tail_len - num_queries + torch.arange(num_queries, device=device))[:, None])
+        mask[row:row + num_queries, key_offset:key_offset + tail_len] = visible
+        row += num_queries
+    attn = torch.nn.functional.scaled_dot_product_attention(
+        queries.transpose(0, 1).unsqueeze(0),
+        keys.transpose(0, 1).unsqueeze(0).to(query.dtype),
+        values.transpose(0, 1).unsqueeze(0).to(query.dtype),
+        attn_mask=mask[None, None], scale=scale, enable_gqa=True,
+    )[0].transpose(0, 1)
+    row = 0
+    for i in rows:
+        num_queries = starts[i + 1] - starts[i]
+        out[starts[i]:starts[i + 1]] = attn[row:row + num_queries]
+        row += num_queries
+    return True
+
+
 # ---------------------------------------------------------------------------------------------
 # Triton: one program per (BLOCK_M query rows of one sequence, query head). The grid's first axis
 # runs over every sequence's query tiles back to back; a program finds its sequence by binary

@@ -87,7 +87,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
     model = model.to_empty(device="cpu")
     model.load_hf_state_dict(iter_state_dict(files, torch.float32))
     model = model.to(device=device, dtype=dtype).eval()
-    num_packed = pack_linears(model) if device.type == "cpu" else 0
+    num_packed = pack_linears(model) if device.type == "cpu" and config.cpu_linear == "onednn" \
+        else 0
     # The cos/sin table stays float32 whatever the weights' dtype (built after the cast).
     model.rotary = RotaryEmbedding(hf_config, model.dims.head_dim,
                                    model.dims.max_position_embeddings).to(device)

@@ -183,6 +183,9 @@ class ServerState:
             if self.engine is not None and self.owns_engine:
                 grace_s = self.settings.shutdown_grace_s
                 self.engine.shutdown(grace_s, drain_s=_abort_margin_s(grace_s) / 2)
+                if not self.engine.wait_stopped(0.0):
+                    logger.info("waiting for the engine's current step to end before exiting")
+                    self.engine.wait_stopped(_LOAD_JOIN_TIMEOUT_S)
 
     # --- what handlers ask -----------------------------------------------------------------
     @property

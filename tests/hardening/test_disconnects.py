@@ -314,6 +314,7 @@ def test_shutdown_during_a_long_step_still_answers_every_request(tiny, monkeypat
         return real_step(self)
 
     monkeypatch.setattr(Engine, "step", step)
+    threads_before = set(threading.enumerate())
     sock = socket.create_server(("127.0.0.1", 0))
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     status: list[int] = []
@@ -363,3 +364,8 @@ def test_shutdown_during_a_long_step_still_answers_every_request(tiny, monkeypat
     assert '"finish_reason":"abort"' in events[-2] or '"service_unavailable"' in events[-2] \
         or "shutting down" in events[-2], events[-2]
     assert status == [0]
+    # serve returned only once its engine thread had left the slow step: a process that exits
+    # with that thread inside torch dies of SIGABRT ("terminate called without an active
+    # exception") instead of exiting 0
+    assert not [t for t in set(threading.enumerate()) - threads_before
+                if t.name == "agentd-engine"]

@@ -11,6 +11,7 @@ linear layers through torch's ``F.linear`` (MKL) vs oneDNN with packed weights (
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import time
@@ -61,11 +62,15 @@ def decode_tok_s(llm: LLM, batch_prompts: list[list[int]], max_tokens: int) -> f
     return len(batch_prompts) * max_tokens / (time.perf_counter() - start)
 
 
+_FIRST_TOKENS = itertools.count(1000)
+
+
 def cold_ttft_s(llm: LLM, prefix: list[int], repeats: int = 3) -> float:
+    """Median time to prefill ``prefix`` behind a first token never used before (no cache hit)."""
     times = []
-    for i in range(repeats):
+    for _ in range(repeats):
         start = time.perf_counter()
-        llm.generate([[1000 + i] + prefix], SamplingParams(temperature=0, max_tokens=1))
+        llm.generate([[next(_FIRST_TOKENS)] + prefix], SamplingParams(temperature=0, max_tokens=1))
         times.append(time.perf_counter() - start)
     return statistics.median(times)
 

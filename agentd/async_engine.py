@@ -14,6 +14,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -29,6 +30,8 @@ from agentd.sampling_params import SamplingParams
 logger = logging.getLogger("agentd")
 T = TypeVar("T")
 _IDLE_WAIT_S = 0.05
+# How long an idle engine holds its first step for requests the server is still submitting.
+_COALESCE_S = 0.02
 
 
 class EngineDeadError(RuntimeError):
@@ -122,6 +125,9 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
         self._parked: tuple[threading.Thread, threading.Event] | None = None
+        # Requests the server has accepted but not submitted yet (parsing, templating); written
+        # by the event loop, read here. See _coalesce.
+        self.arriving = 0
         self._stopping = threading.Event()
         self._stats = engine.stats()
         self._pin_summary = engine.pins.summary()
@@ -373,11 +379,27 @@ class AsyncEngine:
             except queue.Empty:
                 return
 
+    def _coalesce(self) -> None:
+        """Agents often fire requests together; the server submits them one by one (each is
+        parsed and templated first), so an idle engine used to prefill the first alone and the
+        rest one step later, doubling their TTFT. When nothing is running yet and the server
+        is still submitting requests, wait for them (at most ``_COALESCE_S``) so that they share
+        the first step. A lone request never waits: nothing else is arriving."""
+        scheduler = self.engine.scheduler
+        if self.arriving <= 0 or scheduler.num_running or not scheduler.num_waiting:
+            return
+        deadline = time.monotonic() + _COALESCE_S
+        while self.arriving > 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+            self._drain_commands(block=False)
+        self._drain_commands(block=False)
+
     def _loop(self) -> None:
         engine = self.engine
         while not self._stopping.is_set() or not self._commands.empty():
             try:
                 self._drain_commands(block=not engine.has_unfinished_requests())
+                self._coalesce()
                 engine.expire_pins()
                 deltas = engine.step() if engine.has_unfinished_requests() else []
                 self._stats = engine.stats()  # before posting: a finished client sees its request

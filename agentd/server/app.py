@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import TYPE_CHECKING
 
 from litestar import Litestar
@@ -25,7 +26,7 @@ from agentd.server.errors import EXCEPTION_HANDLERS
 from agentd.server.routes_admin import AdminController, health, metrics
 from agentd.server.routes_openai import OpenAIController
 from agentd.server.routes_pins import PinsController
-from agentd.server.state import ServerSettings, ServerState
+from agentd.server.state import ServerSettings, ServerState, count_arrivals
 
 if TYPE_CHECKING:
     from agentd.async_engine import AsyncEngine
@@ -67,6 +68,7 @@ def create_app(config: EngineConfig, *, engine: AsyncEngine | None = None,
 
     return Litestar(
         route_handlers=[OpenAIController, PinsController, AdminController, health, metrics],
+        middleware=[partial(count_arrivals, server=server)],
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=[lifespan],
         state=State({"agentd": server}),

@@ -66,6 +66,7 @@ class OpenAIController(Controller):
         deltas = submit(engine, plan.prompt_token_ids, plan.params, plan.request_id,
                         effective_cache_salt(cache_tenant(request), plan.cache_salt),
                         server.max_in_flight(engine))
+        server.arrived(request.scope)
         if data.stream:
             return event_stream(stream_chat(plan, deltas, on_finish))
         return await until_disconnect(request, complete_chat(plan, deltas, on_finish), deltas)
@@ -82,6 +83,7 @@ class OpenAIController(Controller):
         deltas = submit(engine, plan.prompt_token_ids, plan.params, plan.request_id,
                         effective_cache_salt(cache_tenant(request), plan.cache_salt),
                         server.max_in_flight(engine))
+        server.arrived(request.scope)
         if data.stream:
             return event_stream(stream_text(plan, deltas, on_finish))
         return await until_disconnect(request, complete_text(plan, deltas, on_finish), deltas)

@@ -187,6 +187,13 @@ class ServerState:
                     logger.info("waiting for the engine's current step to end before exiting")
                     self.engine.wait_stopped(_LOAD_JOIN_TIMEOUT_S)
 
+    def arrived(self, scope: Any) -> None:
+        """The request of ``scope`` was submitted (or failed): it no longer counts as arriving
+        (idempotent)."""
+        engine = scope.get("state", {}).pop(_ARRIVING, None)
+        if engine is not None:
+            engine.arriving -= 1
+
     # --- what handlers ask -----------------------------------------------------------------
     @property
     def status(self) -> str:
@@ -241,6 +248,31 @@ def _abort_margin_s(grace_s: float) -> float:
     """How long before uvicorn's own shutdown timeout our requests are aborted: half of it for
     the engine to end its current step, half for the handlers to send their replies."""
     return min(2.0, grace_s / 2)
+
+
+_SUBMITTING_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+_ARRIVING = "agentd_arriving"
+
+
+def count_arrivals(app: Any, *, server: ServerState) -> Any:
+    """ASGI middleware: from the moment a completion request reaches the app until the handler
+    has submitted it (or failed), it counts in the engine's ``arriving``, so an idle engine can
+    hold its first step for requests fired together (see ``AsyncEngine._coalesce``)."""
+
+    async def middleware(scope: Any, receive: Any, send: Any) -> None:
+        engine = server.engine
+        if (engine is None or scope["type"] != "http" or scope.get("method") != "POST"
+                or scope.get("path") not in _SUBMITTING_PATHS):
+            await app(scope, receive, send)
+            return
+        engine.arriving += 1
+        scope.setdefault("state", {})[_ARRIVING] = engine
+        try:
+            await app(scope, receive, send)
+        finally:
+            server.arrived(scope)
+
+    return middleware
 
 
 def server_of(state: State) -> ServerState:

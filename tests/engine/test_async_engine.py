@@ -194,3 +194,32 @@ def test_a_cancelled_pin_registration_leaves_nothing_behind(engine: AsyncEngine,
     assert state == (0, 0, 0)
     assert num_pins == 0
     assert num_streams == 0
+
+
+def test_an_idle_engine_waits_for_requests_still_arriving(engine: AsyncEngine,
+                                                          prompts: list[list[int]]) -> None:
+    """Requests fired together share the first step: while the server says more are arriving
+    (``arriving`` > 0), an idle engine holds its first step, briefly."""
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+
+    async def steps_for(arriving: int) -> int:
+        before = await engine.call(lambda e: e.stats().num_steps)
+        engine.arriving = arriving
+        first = asyncio.create_task(collect(engine.add_request(prompts[0], one)))
+        await asyncio.sleep(0.005)  # the second request is still being parsed meanwhile
+        second = asyncio.create_task(collect(engine.add_request(prompts[1], one)))
+        engine.arriving = 0
+        await first
+        await second
+        return await engine.call(lambda e: e.stats().num_steps) - before
+
+    assert run(lambda: steps_for(1)) == 1  # both prefilled in one step
+
+    async def announced_but_never_sent() -> list[StreamDelta]:
+        engine.arriving = 1  # e.g. a client that stalls mid-body: the wait is bounded
+        try:
+            return await asyncio.wait_for(collect(engine.add_request(prompts[2], one)), 10)
+        finally:
+            engine.arriving = 0
+
+    assert run(announced_but_never_sent)[-1].finished

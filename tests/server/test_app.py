@@ -166,3 +166,34 @@ def test_openapi_schema_is_served(client: TestClient) -> None:
     schema = client.get("/docs/openapi.json").json()
     assert "/v1/chat/completions" in schema["paths"]
     assert "ChatCompletionRequest" in json.dumps(schema["components"])
+
+
+def test_arrivals_are_counted_until_submission_and_always_released(client: TestClient) -> None:
+    """The middleware behind request coalescing: every completion request counts as arriving
+    until its handler submits it, and the count returns to 0 after successes, streams and
+    errors alike."""
+    engine = client.app.state.agentd.engine
+    assert engine.arriving == 0
+    seen: list[int] = []
+    real_add = engine.add_request
+
+    def add_request(*args: Any, **kwargs: Any) -> Any:
+        seen.append(engine.arriving)  # the request being submitted still counts here
+        return real_add(*args, **kwargs)
+
+    engine.add_request = add_request
+    try:
+        _arrivals_round_trip(client)
+    finally:
+        del engine.add_request
+    assert seen == [1, 1, 1]
+    assert engine.arriving == 0
+
+
+def _arrivals_round_trip(client: TestClient) -> None:
+    assert chat(client, max_tokens=2).status_code == 200
+    assert chat(client, max_tokens=2, stream=True).status_code == 200
+    assert chat(client, max_tokens=2, n=3).status_code == 400  # refused before submission
+    assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}).status_code \
+        == 200
+    assert client.post("/v1/completions", json={"prompt": ""}).status_code == 400

@@ -40,7 +40,9 @@ class _ExitStatus:
 class _NoDelayH11(H11Protocol):
     """uvicorn's HTTP/1.1 protocol with TCP_NODELAY on every connection.
 
-    uvicorn writes a response's headers and body separately; on a kept-alive connection Nagle's
+    asyncio sets TCP_NODELAY only on sockets whose proto says IPPROTO_TCP, and sockets accepted
+    from the listener ``agentd start`` binds itself say 0. uvicorn writes a response's headers
+    and body separately; on a kept-alive connection Nagle's
     algorithm held the body until the client's delayed ACK of the headers arrived, adding ~40 ms
     to every request after a connection's first (measured on loopback: headers at 85 ms, body at
     126-132 ms; with this, both at ~85 ms). SSE chunks are small writes too.

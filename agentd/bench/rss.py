@@ -2,8 +2,10 @@
 
 Invariant: a sampler never fails the benchmark — a process it cannot read (gone, another user's,
 not Linux) just yields no figure (None). ``peak_rss_bytes`` is the highest VmRSS seen since the
-last ``reset``; ``hwm_bytes`` is the kernel's lifetime high-water mark (VmHWM), which includes
-whatever the process did before the benchmark (loading the model, earlier runs).
+last ``reset``; ``hwm_bytes`` is the lifetime high-water mark: the kernel's VmHWM (which
+includes whatever the process did before the benchmark: loading the model, earlier runs), or the
+highest VmRSS sampled if that is higher — Linux updates VmHWM lazily, so a short peak that is
+freed again (munmap, malloc_trim) can be seen in VmRSS and never reach VmHWM.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class RssSampler:
     def __init__(self, pid: int | None) -> None:
         self.pid = pid if pid is not None and read_status_bytes(pid, "VmRSS") else None
         self._peak: int | None = None
+        self._max_seen: int | None = None  # over the sampler's life, never reset
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -63,6 +66,8 @@ class RssSampler:
         rss = read_status_bytes(self.pid, "VmRSS")
         if rss is not None and (self._peak is None or rss > self._peak):
             self._peak = rss
+        if rss is not None and (self._max_seen is None or rss > self._max_seen):
+            self._max_seen = rss
 
     @property
     def peak_rss_bytes(self) -> int | None:
@@ -70,7 +75,9 @@ class RssSampler:
 
     @property
     def hwm_bytes(self) -> int | None:
-        return read_status_bytes(self.pid, "VmHWM") if self.pid is not None else None
+        hwm = read_status_bytes(self.pid, "VmHWM") if self.pid is not None else None
+        seen = [b for b in (hwm, self._max_seen) if b is not None]
+        return max(seen) if seen else None
 
     def _loop(self) -> None:
         while not self._stop.wait(SAMPLE_INTERVAL_S):

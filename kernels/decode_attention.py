@@ -104,7 +104,7 @@ def torch_decode_attention(
     return out
 
 
-def _shared_blocks(tables: list[list[int]], lens: list[int], block_size: int) -> int:
+def shared_blocks(tables: list[list[int]], lens: list[int], block_size: int) -> int:
     """Leading blocks common to every table and full in every row."""
     limit = min(lens) // block_size
     first = tables[0]
@@ -121,7 +121,7 @@ def _grouped_decode(query: torch.Tensor, kv_cache: torch.Tensor, tables: list[li
     group_size = num_heads // num_kv_heads
     device = query.device
     q = query.float().view(num_rows, num_kv_heads, group_size, head_dim)
-    num_shared = _shared_blocks(tables, lens, block_size)
+    num_shared = shared_blocks(tables, lens, block_size)
     shared_len = num_shared * block_size
     shared = kv_cache.index_select(0, torch.tensor(tables[0][:num_shared], device=device,
                                                    dtype=torch.long))

@@ -19,7 +19,7 @@ from agentd.kernels._common import (
     tl,
     triton,
 )
-from agentd.kernels.decode_attention import gather_kv
+from agentd.kernels.decode_attention import gather_kv, shared_blocks
 
 
 def reference_prefill_attention(
@@ -44,29 +44,34 @@ def reference_prefill_attention(
     """
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    for i, seq_len in enumerate(lens):
+    for i, seq_len in enumerate(seq_lens.tolist()):
         start, end = starts[i], starts[i + 1]
-        num_queries = end - start
-        if num_queries == 0:
-            continue
-        keys, values = gather_kv(kv_cache, block_tables[i].long(), seq_len)
-        mask = None
-        if num_queries != seq_len:  # a cached prefix: causal with an offset
-            q_pos = torch.arange(seq_len - num_queries, seq_len, device=query.device)
-            k_pos = torch.arange(seq_len, device=query.device)
-            mask = (k_pos[None, :] <= q_pos[:, None])[None, None]  # [1, 1, q, L]
-        attn = torch.nn.functional.scaled_dot_product_attention(
-            query[start:end].transpose(0, 1).unsqueeze(0),  # [1, H, q, D]
-            keys.transpose(0, 1).unsqueeze(0).to(query.dtype),  # [1, Hkv, L, D]
-            values.transpose(0, 1).unsqueeze(0).to(query.dtype),
-            attn_mask=mask,
-            is_causal=mask is None,  # no prefix: plain causal, which skips masked tiles
-            scale=scale,
-            enable_gqa=True,
-        )
-        out[start:end] = attn[0].transpose(0, 1)
+        if end > start:
+            out[start:end] = _attend_one(query[start:end], kv_cache, block_tables[i], seq_len,
+                                         scale)
     return out
+
+
+def _attend_one(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                seq_len: int, scale: float) -> torch.Tensor:
+    """One sequence's chunk ``[q, H, D]`` (its last ``q`` positions) over its whole context."""
+    num_queries = len(query)
+    keys, values = gather_kv(kv_cache, block_table.long(), seq_len)
+    mask = None
+    if num_queries != seq_len:  # a cached prefix: causal with an offset
+        q_pos = torch.arange(seq_len - num_queries, seq_len, device=query.device)
+        k_pos = torch.arange(seq_len, device=query.device)
+        mask = (k_pos[None, :] <= q_pos[:, None])[None, None]  # [1, 1, q, L]
+    attn = torch.nn.functional.scaled_dot_product_attention(
+        query.transpose(0, 1).unsqueeze(0),  # [1, H, q, D]
+        keys.transpose(0, 1).unsqueeze(0).to(query.dtype),  # [1, Hkv, L, D]
+        values.transpose(0, 1).unsqueeze(0).to(query.dtype),
+        attn_mask=mask,
+        is_causal=mask is None,  # no prefix: plain causal, which skips masked tiles
+        scale=scale,
+        enable_gqa=True,
+    )
+    return attn[0].transpose(0, 1)
 
 
 def torch_prefill_attention(
@@ -104,26 +109,19 @@ def torch_prefill_attention(
             if _grouped_prefill(query, kv_cache, tables, starts, lens, rows, scale, out):
                 continue
         for i in rows:
-            _one_prefill(query, kv_cache, block_tables, starts, lens, i, scale, out)
+            start, end = starts[i], starts[i + 1]
+            out[start:end] = _attend_one(query[start:end], kv_cache, block_tables[i], lens[i],
+                                         scale)
     return out
-
-
-def _one_prefill(query, kv_cache, block_tables, starts, lens, i, scale, out) -> None:
-    seq_len, start, end = lens[i], starts[i], starts[i + 1]
-    one = torch.tensor([0, end - start], dtype=torch.int32)
-    out[start:end] = reference_prefill_attention(
-        query[start:end], kv_cache, block_tables[i: i + 1], one,
-        torch.tensor([seq_len], dtype=torch.int32), scale)
 
 
 def _grouped_prefill(query, kv_cache, tables, starts, lens, rows, scale, out) -> bool:
     """One attention call for chunks over a common cached prefix; False if they share none."""
     block_size, num_kv_heads, head_dim = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
-    limit = min(lens[i] - (starts[i + 1] - starts[i]) for i in rows) // block_size
     first = tables[rows[0]]
-    num_shared = 0
-    while num_shared < limit and all(tables[i][num_shared] == first[num_shared] for i in rows):
-        num_shared += 1
+    # blocks common to all and full before every chunk's first query
+    num_shared = shared_blocks([tables[i] for i in rows],
+                                [lens[i] - (starts[i + 1] - starts[i]) for i in rows], block_size)
     if num_shared == 0:
         return False
     shared_len = num_shared * block_size

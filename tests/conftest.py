@@ -252,6 +252,12 @@ class DaemonProcess:
             assert code == 0, f"the daemon exited with {code}:\n{self.log()}"
 
 
+@pytest.fixture(scope="session", name="free_port")
+def free_port_fixture():
+    """``free_port()``: a loopback port nothing listens on (at the time of the call)."""
+    return free_port
+
+
 @pytest.fixture(scope="session")
 def daemon_process() -> type[DaemonProcess]:
     """The :class:`DaemonProcess` class (test modules cannot import from conftest)."""

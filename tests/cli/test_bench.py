@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,12 +18,6 @@ from agentd.cli import main
 
 PROMPT_TOKENS = 2100
 MAX_TOKENS = 32
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture
@@ -49,7 +42,7 @@ def test_help(runner: CliRunner) -> None:
         assert option in result.output
 
 
-def test_nothing_listening_says_how_to_start_one(runner: CliRunner) -> None:
+def test_nothing_listening_says_how_to_start_one(runner: CliRunner, free_port) -> None:
     url = f"http://127.0.0.1:{free_port()}"
     line = error_line(runner.invoke(main, ["bench", "--url", url, "--quick"]))
     assert "agentd start" in line and url in line

@@ -18,19 +18,13 @@ from agentd.cli import COMMANDS, main
 
 
 @pytest.fixture
-def runner(monkeypatch, tmp_path) -> CliRunner:
+def runner(monkeypatch, tmp_path, free_port) -> CliRunner:
     """A runner with no AGENTD_* settings from the caller's environment and its own state dir."""
     for name in [n for n in os.environ if n.startswith("AGENTD_")]:
         monkeypatch.delenv(name)
     monkeypatch.setenv("AGENTD_HOME", str(tmp_path / "state"))
     monkeypatch.setenv("AGENTD_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens
     return CliRunner()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def one_error_line(result: Result) -> str:
@@ -98,7 +92,8 @@ def test_status_and_stop_without_a_daemon(runner: CliRunner) -> None:
 
 
 @pytest.fixture
-def detached(runner: CliRunner, monkeypatch, tmp_path, tiny_model_factory) -> Iterator[dict]:
+def detached(runner: CliRunner, monkeypatch, tmp_path, tiny_model_factory,
+             free_port) -> Iterator[dict]:
     """``agentd start --detach`` with a tiny model; stopped (by SIGKILL if need be) afterwards."""
     port = free_port()
     state = tmp_path / "state"

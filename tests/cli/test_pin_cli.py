@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -20,14 +19,8 @@ from agentd.cli import main
 BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4  # tiny llama: layers * K/V * block * kv heads * dim * fp32
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture
-def runner(monkeypatch) -> CliRunner:
+def runner(monkeypatch, free_port) -> CliRunner:
     """No AGENTD_* settings from the caller; AGENTD_URL points where nothing listens."""
     for name in [n for n in os.environ if n.startswith("AGENTD_")]:
         monkeypatch.delenv(name)
@@ -83,7 +76,7 @@ def test_bad_input_files_fail_before_any_request(runner: CliRunner, research: di
 
 
 @pytest.fixture(scope="module")
-def daemon_url(tiny_model_factory) -> Iterator[str]:
+def daemon_url(tiny_model_factory, free_port) -> Iterator[str]:
     """The real app under uvicorn on a loopback port, over a tiny model (budget: 256 blocks)."""
     import uvicorn
 

@@ -8,7 +8,8 @@ a Qwen2.5-style one that renders tools inside ``<tools></tools>`` in the system 
 Llama-3.1-style one that puts them in the first user turn.
 
 ``daemon_process`` hands tests the one way they start a real daemon: ``python -m agentd.cli
-start`` on a free loopback port, exactly as a user runs it.
+start`` on a free loopback port, exactly as a user runs it; ``serve`` runs an app under uvicorn
+in a thread instead, and ``poll`` waits for a condition.
 """
 
 from __future__ import annotations
@@ -19,8 +20,12 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -250,6 +255,44 @@ class DaemonProcess:
         code = self.stop()
         if exc_info[0] is None:
             assert code == 0, f"the daemon exited with {code}:\n{self.log()}"
+
+
+def poll(get: Callable[[], Any], until: Callable[[Any], bool], timeout_s: float = 60.0) -> Any:
+    """Call ``get`` until ``until(value)``; return that value (fail after ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while not until(value := get()):
+        assert time.monotonic() < deadline, f"gave up waiting; last: {value}"
+        time.sleep(0.05)
+    return value
+
+
+@contextmanager
+def serve_in_thread(app: Any) -> Iterator[str]:
+    """Serve ``app`` with uvicorn on a free loopback port; yields the base URL."""
+    import uvicorn
+
+    sock = socket.create_server(("127.0.0.1", 0), backlog=2048)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
+                                           timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    poll(lambda: server.started, bool, timeout_s=30)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+
+
+@pytest.fixture(scope="session")
+def serve() -> Callable[[Any], Any]:
+    return serve_in_thread
+
+
+@pytest.fixture(name="poll", scope="session")
+def poll_fixture() -> Callable[..., Any]:
+    return poll
 
 
 @pytest.fixture(scope="session", name="free_port")

@@ -2,7 +2,8 @@
 uvicorn server in a thread, and the idle check every hardening test ends with — ``/health`` 200,
 ``/admin/integrity`` ok, no request or stream left, no block held but pinned ones.
 
-The helpers are handed to tests as fixtures (``openai_error``, ``idle``, ``serve``, ``poll``):
+The helpers are handed to tests as fixtures (``openai_error``, ``idle``; ``serve`` and ``poll``
+come from the root conftest):
 test modules here are not a package, so they cannot import from this file.
 
 Torch runs single-threaded here: tiny models gain nothing from threads, and on a busy 2-core
@@ -11,17 +12,13 @@ machine OpenMP's spin-waiting makes them up to 100x slower.
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import httpx
 import pytest
 import torch
-import uvicorn
 
 from agentd.async_engine import AsyncEngine
 from agentd.config import EngineConfig
@@ -87,31 +84,6 @@ def wait_idle(get: Callable[[str], httpx.Response], num_pinned_ok: bool = True,
         time.sleep(0.05)
 
 
-def poll(get: Callable[[], Any], until: Callable[[Any], bool], timeout_s: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while not until(value := get()):
-        assert time.monotonic() < deadline, f"gave up waiting; last: {value}"
-        time.sleep(0.05)
-    return value
-
-
-@contextmanager
-def serve_in_thread(app: Any) -> Iterator[str]:
-    """Serve ``app`` with uvicorn on a free loopback port; yields the base URL."""
-    sock = socket.create_server(("127.0.0.1", 0), backlog=2048)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on",
-                                           timeout_graceful_shutdown=5))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    poll(lambda: server.started, bool, timeout_s=30)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-        sock.close()
-
-
 @pytest.fixture(scope="session")
 def openai_error() -> Callable[..., dict[str, Any]]:
     return assert_openai_error
@@ -120,13 +92,3 @@ def openai_error() -> Callable[..., dict[str, Any]]:
 @pytest.fixture(scope="session")
 def idle() -> Callable[..., dict[str, Any]]:
     return wait_idle
-
-
-@pytest.fixture(scope="session")
-def serve() -> Callable[[Any], Any]:
-    return serve_in_thread
-
-
-@pytest.fixture(name="poll", scope="session")
-def poll_fixture() -> Callable[..., Any]:
-    return poll

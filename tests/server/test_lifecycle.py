@@ -6,15 +6,11 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
-from litestar import Litestar
 from litestar.testing import TestClient
 
 from agentd.async_engine import AsyncEngine
@@ -25,15 +21,7 @@ USER = [{"role": "user", "content": "Tell me a long story about caches."}]
 LONG = {"messages": USER, "max_tokens": 3000, "ignore_eos": True, "temperature": 0}
 
 
-def poll(get: Any, until: Any, timeout_s: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout_s
-    while not until(value := get()):
-        assert time.monotonic() < deadline, f"gave up waiting; last: {value}"
-        time.sleep(0.05)
-    return value
-
-
-def test_health_is_503_while_loading_then_200(tiny, monkeypatch) -> None:
+def test_health_is_503_while_loading_then_200(tiny, monkeypatch, poll) -> None:
     config, _ = tiny
     gate = threading.Event()
     real_from_config = AsyncEngine.from_config.__func__
@@ -57,7 +45,7 @@ def test_health_is_503_while_loading_then_200(tiny, monkeypatch) -> None:
         assert reply.status_code == 200
 
 
-def test_failed_load_is_reported_and_asks_to_exit(tmp_path) -> None:
+def test_failed_load_is_reported_and_asks_to_exit(tmp_path, poll) -> None:
     exit_codes: list[int] = []
     config = EngineConfig(model=str(tmp_path / "no-such-model"))
     with TestClient(create_app(config, request_exit=exit_codes.append)) as client:
@@ -79,24 +67,10 @@ def test_shutdown_route_asks_the_server_to_exit(tiny) -> None:
     assert engine.running  # an engine passed in belongs to the caller: still running
 
 
-@contextmanager
-def serve_in_thread(app: Litestar) -> Iterator[str]:
-    sock = socket.create_server(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    poll(lambda: server.started, bool, timeout_s=30)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(30)
-
-
 @pytest.fixture
-def live_url(tiny) -> Iterator[str]:
+def live_url(tiny, serve) -> Iterator[str]:
     config, engine = tiny
-    with serve_in_thread(create_app(config, engine=engine)) as url:
+    with serve(create_app(config, engine=engine)) as url:
         yield url
 
 
@@ -129,7 +103,7 @@ def test_non_stream_disconnect_aborts_and_frees_blocks(live_url: str, wait_idle)
     assert reply.status_code == 200
 
 
-def test_shutdown_aborts_streams_after_the_grace_period(tiny) -> None:
+def test_shutdown_aborts_streams_after_the_grace_period(tiny, poll) -> None:
     """``serve`` (what ``agentd start`` runs): a stream still running when the grace period ends
     is aborted cleanly — a final ``abort`` chunk and ``[DONE]`` — and serve returns 0."""
     from agentd.server.serve import serve

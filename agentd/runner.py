@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from agentd.kernels import AttentionBackend
+from agentd.kernels import AttentionBackend, attention_step
 from agentd.model.llama import AttentionMetadata, LlamaModel
 from agentd.scheduler import ScheduledRequest
 
@@ -31,8 +31,10 @@ class ModelRunner:
         self.device = device
         self.backend = backend
         dims = model.dims
-        shape = (num_blocks, 2, block_size, dims.num_kv_heads, dims.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device)
+        # Logically [num_blocks, 2, B, Hkv, D]; stored as all keys, then all values, so that a
+        # run of blocks' keys (or values) is one contiguous slice the CPU attention reads in place.
+        shape = (2, num_blocks, block_size, dims.num_kv_heads, dims.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device).transpose(0, 1)
                           for _ in range(dims.num_layers)]
 
     @staticmethod
@@ -47,7 +49,8 @@ class ModelRunner:
         prefills = [s for s in scheduled if len(s.token_ids) > 1]
         batch = decodes + prefills
         input_ids, positions, meta, sample_rows = self._prepare(batch, len(decodes))
-        hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
+        with attention_step():
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, self.backend)
         rows = torch.tensor(sample_rows, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))
         request_ids = [s.request_id for s in batch if s.sample]

@@ -6,6 +6,7 @@ path) and ``triton`` (CUDA, or CPU under ``TRITON_INTERPRET=1`` for tests).
 
 from __future__ import annotations
 
+from agentd.kernels._common import attention_step
 from agentd.kernels.backend import AttentionBackend, get_attention_backend
 
-__all__ = ["AttentionBackend", "get_attention_backend"]
+__all__ = ["AttentionBackend", "attention_step", "get_attention_backend"]

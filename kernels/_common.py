@@ -7,8 +7,10 @@ import that requires Triton.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
 
 import torch
 
@@ -51,6 +53,58 @@ def dot_dtype(dtype: torch.dtype) -> Any:
     if dtype == torch.bfloat16:
         return tl.float32 if triton.knobs.runtime.interpret else tl.bfloat16
     return tl.float16 if dtype == torch.float16 else tl.float32
+
+
+_T = TypeVar("_T")
+_step = threading.local()
+
+
+@contextmanager
+def attention_step() -> Iterator[None]:
+    """The scope of one forward pass, inside which the metadata tensors do not change.
+
+    Every layer calls attention with the same block tables and lengths. Inside a step the CPU
+    paths turn them into their plan (Python lists, block runs, masks) on the first layer and
+    reuse it for the others; outside one, each call builds its own.
+    """
+    _step.plans = {}
+    try:
+        yield
+    finally:
+        _step.plans = None
+
+
+def step_plan(kind: str, tensors: tuple[torch.Tensor, ...], build: Callable[[], _T]) -> _T:
+    """``build()``, or inside :func:`attention_step` the plan built for these same tensors.
+
+    The entry keeps the tensors alive, so their ids cannot be reused by others in the step.
+    """
+    plans = getattr(_step, "plans", None)
+    if plans is None:
+        return build()
+    key = (kind, *(id(t) for t in tensors))
+    entry = plans.get(key)
+    if entry is None:
+        entry = plans[key] = (build(), tensors)
+    return entry[0]
+
+
+def block_run(block_ids: list[int], device: torch.device) -> slice | torch.Tensor:
+    """Blocks as a slice of the pool when they are consecutive (read in place), else an index."""
+    if block_ids and block_ids[-1] - block_ids[0] == len(block_ids) - 1 and all(
+            b - a == 1 for a, b in zip(block_ids, block_ids[1:])):
+        return slice(block_ids[0], block_ids[-1] + 1)
+    return torch.tensor(block_ids, dtype=torch.long, device=device)
+
+
+def take_blocks(kv_cache: torch.Tensor, which: int, blocks: slice | torch.Tensor) -> torch.Tensor:
+    """Keys (``which=0``) or values (1) of ``blocks``, token after token: ``[n * B, Hkv, D]``.
+
+    The runner's pool keeps all keys before all values, so consecutive blocks are a view.
+    """
+    plane = kv_cache[:, which]
+    part = plane[blocks] if isinstance(blocks, slice) else plane.index_select(0, blocks)
+    return part.reshape(-1, kv_cache.shape[3], kv_cache.shape[4])
 
 
 def next_pow2(n: int) -> int:

@@ -7,14 +7,19 @@ GQA: query head ``h`` reads KV head ``h // (num_heads // num_kv_heads)``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from agentd.kernels._common import (
+    block_run,
     check_attention_inputs,
     check_index,
     dot_dtype,
     jit,
     next_pow2,
+    step_plan,
+    take_blocks,
     tl,
     triton,
 )
@@ -23,13 +28,11 @@ from agentd.kernels._common import (
 def gather_kv(
     kv_cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Copy one sequence's first ``num_tokens`` keys/values out of the pool: ``[n, Hkv, D]``."""
-    block_size = kv_cache.shape[2]
-    num_blocks = -(-num_tokens // block_size)
-    blocks = kv_cache.index_select(0, block_table[:num_blocks])  # [nb, 2, B, Hkv, D]
-    keys = blocks[:, 0].reshape(-1, *kv_cache.shape[3:])[:num_tokens]
-    values = blocks[:, 1].reshape(-1, *kv_cache.shape[3:])[:num_tokens]
-    return keys, values
+    """One sequence's first ``num_tokens`` keys/values out of the pool: ``[n, Hkv, D]``."""
+    num_blocks = -(-num_tokens // kv_cache.shape[2])
+    blocks = block_table[:num_blocks].long()
+    return (take_blocks(kv_cache, 0, blocks)[:num_tokens],
+            take_blocks(kv_cache, 1, blocks)[:num_tokens])
 
 
 def reference_decode_attention(
@@ -87,20 +90,16 @@ def torch_decode_attention(
     blocks are gathered once and scored against all of the group's queries in one batched matmul,
     and only each row's own tail is gathered per row. One softmax spans both parts.
     """
-    num_seqs = query.shape[0]
-    if num_seqs == 0:
+    if query.shape[0] == 0:
         return torch.empty_like(query)
-    tables = block_tables.tolist()
-    lens = seq_lens.tolist()
-    groups: dict[int, list[int]] = {}
-    for i, table in enumerate(tables):
-        groups.setdefault(table[0], []).append(i)
+    plan = step_plan("decode", (block_tables, seq_lens),
+                     lambda: _plan_decode(block_tables, seq_lens, kv_cache.shape[2]))
+    if len(plan) == 1 and plan[0].rows is None:
+        return _grouped_decode(query, kv_cache, plan[0], scale)
     out = torch.empty_like(query)
-    for rows in groups.values():
-        index = torch.tensor(rows, device=query.device)
-        result = _grouped_decode(query.index_select(0, index), kv_cache,
-                                 [tables[i] for i in rows], [lens[i] for i in rows], scale)
-        out.index_copy_(0, index, result)
+    for group in plan:
+        result = _grouped_decode(query.index_select(0, group.rows), kv_cache, group, scale)
+        out.index_copy_(0, group.rows, result)
     return out
 
 
@@ -114,37 +113,67 @@ def shared_blocks(tables: list[list[int]], lens: list[int], block_size: int) -> 
     return num
 
 
-def _grouped_decode(query: torch.Tensor, kv_cache: torch.Tensor, tables: list[list[int]],
-                    lens: list[int], scale: float) -> torch.Tensor:
+@dataclass
+class _DecodeGroup:
+    """Decode rows that share leading blocks, and where their keys lie."""
+
+    rows: torch.Tensor | None  # the group's rows of the batch; None: all of them, in order
+    shared: slice | torch.Tensor  # the common leading blocks
+    shared_len: int
+    tail_blocks: torch.Tensor  # [R * num_tail_blocks]: each row's own blocks, padded with 0
+    tail_bias: torch.Tensor  # [R, 1, 1, tail_len]: 0 for a row's own tail tokens, -inf past them
+
+
+def _plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                 block_size: int) -> list[_DecodeGroup]:
+    tables = block_tables.tolist()
+    lens = seq_lens.tolist()
+    device = block_tables.device
+    by_first: dict[int, list[int]] = {}
+    for i, table in enumerate(tables):
+        by_first.setdefault(table[0], []).append(i)
+    groups = []
+    for rows in by_first.values():
+        group_tables = [tables[i] for i in rows]
+        num_shared = shared_blocks(group_tables, [lens[i] for i in rows], block_size)
+        shared_len = num_shared * block_size
+        tail_lens = [lens[i] - shared_len for i in rows]
+        num_tail = -(-max(tail_lens) // block_size)
+        tail_ids = [t[num_shared:num_shared + num_tail] for t in group_tables]
+        tail_ids = [ids + [0] * (num_tail - len(ids)) for ids in tail_ids]
+        valid = (torch.arange(num_tail * block_size, device=device)[None, :]
+                 < torch.tensor(tail_lens, device=device)[:, None])
+        bias = torch.zeros(valid.shape, device=device).masked_fill_(~valid, float("-inf"))
+        groups.append(_DecodeGroup(
+            rows=None if len(by_first) == 1 else torch.tensor(rows, device=device),
+            shared=block_run(group_tables[0][:num_shared], device),
+            shared_len=shared_len,
+            tail_blocks=torch.tensor([b for ids in tail_ids for b in ids], dtype=torch.long,
+                                     device=device),
+            tail_bias=bias[:, None, None, :],
+        ))
+    return groups
+
+
+def _grouped_decode(query: torch.Tensor, kv_cache: torch.Tensor, group: _DecodeGroup,
+                    scale: float) -> torch.Tensor:
+    """The group's common leading blocks are read once and scored against all its queries in
+    one batched matmul; each row's own tail is gathered per row. One softmax spans both."""
     num_rows, num_heads, head_dim = query.shape
-    block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
-    group_size = num_heads // num_kv_heads
-    device = query.device
-    q = query.float().view(num_rows, num_kv_heads, group_size, head_dim)
-    num_shared = shared_blocks(tables, lens, block_size)
-    shared_len = num_shared * block_size
-    shared = kv_cache.index_select(0, torch.tensor(tables[0][:num_shared], device=device,
-                                                   dtype=torch.long))
-    k_shared = shared[:, 0].reshape(shared_len, num_kv_heads, head_dim).float()
-    v_shared = shared[:, 1].reshape(shared_len, num_kv_heads, head_dim).float()
+    num_kv_heads = kv_cache.shape[3]
+    q = query.float().view(num_rows, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    k_shared = take_blocks(kv_cache, 0, group.shared).float()
     scores_shared = torch.einsum("rkgd,lkd->rkgl", q, k_shared)
-    tail_lens = [n - shared_len for n in lens]
-    num_tail_blocks = -(-max(tail_lens) // block_size)
-    tail_len = num_tail_blocks * block_size
-    # Rows are padded with block 0 past their end; the mask below keeps those slots out.
-    tail_ids = [t[num_shared:num_shared + num_tail_blocks] for t in tables]
-    tail_ids = [ids + [0] * (num_tail_blocks - len(ids)) for ids in tail_ids]
-    tail = kv_cache[torch.tensor(tail_ids, device=device, dtype=torch.long)]  # [R,nb,2,B,Hkv,D]
-    k_tail = tail[:, :, 0].reshape(num_rows, tail_len, num_kv_heads, head_dim).float()
-    v_tail = tail[:, :, 1].reshape(num_rows, tail_len, num_kv_heads, head_dim).float()
-    scores_tail = torch.einsum("rkgd,rlkd->rkgl", q, k_tail)
-    valid = torch.arange(tail_len, device=device)[None, :] < torch.tensor(tail_lens,
-                                                                          device=device)[:, None]
-    scores_tail = scores_tail.masked_fill(~valid[:, None, None, :], float("-inf"))
+    k_tail = take_blocks(kv_cache, 0, group.tail_blocks).float().view(
+        num_rows, -1, num_kv_heads, head_dim)
+    scores_tail = torch.einsum("rkgd,rlkd->rkgl", q, k_tail) + group.tail_bias
     probs = torch.softmax(torch.cat([scores_shared, scores_tail], dim=-1) * scale, dim=-1)
-    out = torch.einsum("rkgl,rlkd->rkgd", probs[..., shared_len:], v_tail)
-    if shared_len:
-        out = out + torch.einsum("rkgl,lkd->rkgd", probs[..., :shared_len], v_shared)
+    v_tail = take_blocks(kv_cache, 1, group.tail_blocks).float().view(
+        num_rows, -1, num_kv_heads, head_dim)
+    out = torch.einsum("rkgl,rlkd->rkgd", probs[..., group.shared_len:], v_tail)
+    if group.shared_len:
+        v_shared = take_blocks(kv_cache, 1, group.shared).float()
+        out = out + torch.einsum("rkgl,lkd->rkgd", probs[..., :group.shared_len], v_shared)
     return out.reshape(num_rows, num_heads, head_dim).to(query.dtype)
 
 

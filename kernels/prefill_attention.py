@@ -8,14 +8,19 @@ query_start_loc[i+1] - 1``. Its new keys/values are already in the pool, so its 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from agentd.kernels._common import (
+    block_run,
     check_attention_inputs,
     check_index,
     dot_dtype,
     jit,
     next_pow2,
+    step_plan,
+    take_blocks,
     tl,
     triton,
 )
@@ -86,88 +91,120 @@ def torch_prefill_attention(
 
     Agents that send the same system prompt arrive together and are prefilled in one step, each
     over the same cached blocks. Chunks whose sequences share leading full blocks (before any of
-    their queries) are grouped by first block: the shared keys are gathered once, each chunk's
-    own tail is appended, and the whole group runs as one attention call whose mask lets every
-    row see the shared prefix and, causally, only its own tail. The others go one by one.
+    their queries) are grouped: the group's blocks (the shared ones once, then each chunk's own)
+    are gathered and the whole group runs as one attention call whose mask lets every row see
+    the shared prefix and, causally, only its own tail. A lone chunk whose blocks are
+    consecutive in the pool reads them in place.
     """
+    plan = step_plan("prefill", (block_tables, query_start_loc, seq_lens),
+                     lambda: _plan_prefill(block_tables, query_start_loc, seq_lens,
+                                           kv_cache.shape[2], query.dtype))
     out = torch.empty_like(query)
+    num_kv_heads = kv_cache.shape[3]
+    for call in plan:
+        keys = take_blocks(kv_cache, 0, call.blocks)[:call.num_keys]
+        values = take_blocks(kv_cache, 1, call.blocks)[:call.num_keys]
+        if len(call.rows) == 1:
+            queries = query[call.rows[0][0]:call.rows[0][1]]
+        else:
+            queries = torch.cat([query[start:end] for start, end in call.rows])
+        attn = torch.nn.functional.scaled_dot_product_attention(
+            queries.transpose(0, 1).unsqueeze(0),  # [1, H, q, D]
+            keys.transpose(0, 1).unsqueeze(0).to(query.dtype),  # [1, Hkv, L, D]
+            values.transpose(0, 1).unsqueeze(0).to(query.dtype),
+            attn_mask=call.mask,
+            is_causal=call.mask is None,  # no prefix: plain causal, which skips masked tiles
+            scale=scale,
+            enable_gqa=num_kv_heads != query.shape[1],
+        )[0].transpose(0, 1)
+        row = 0
+        for start, end in call.rows:
+            out[start:end] = attn[row:row + end - start]
+            row += end - start
+    return out
+
+
+@dataclass
+class _PrefillCall:
+    """One attention call of a CPU prefill step."""
+
+    rows: list[tuple[int, int]]  # query row ranges, stacked in this order
+    blocks: slice | torch.Tensor  # the pool blocks holding the keys, in key order
+    num_keys: int  # tokens used from those blocks (the rest of the last one is unused)
+    # Additive [1, 1, rows, num_keys]; None: plain causal. A group's mask also hides the unused
+    # slots of partial tail blocks, which hold finite values (zeros or older K/V), as do the
+    # padded tails of the decode path.
+    mask: torch.Tensor | None
+
+
+def _plan_prefill(block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                  seq_lens: torch.Tensor, block_size: int,
+                  dtype: torch.dtype) -> list[_PrefillCall]:
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
-    block_size = kv_cache.shape[2]
+    tables = block_tables.tolist()
+    device = block_tables.device
     groups: dict[int, list[int]] = {}
     for i, seq_len in enumerate(lens):
         num_queries = starts[i + 1] - starts[i]
         if num_queries == 0:
             continue
-        first = int(block_tables[i, 0]) if seq_len - num_queries >= block_size else -1 - i
+        first = tables[i][0] if seq_len - num_queries >= block_size else -1 - i
         groups.setdefault(first, []).append(i)
-    tables = None
+    calls = []
     for rows in groups.values():
-        if len(rows) > 1:
-            if tables is None:
-                tables = block_tables.tolist()
-            if _grouped_prefill(query, kv_cache, tables, starts, lens, rows, scale, out):
-                continue
+        call = (_plan_group(tables, starts, lens, rows, block_size, dtype, device)
+                if len(rows) > 1 else None)
+        if call is not None:
+            calls.append(call)
+            continue
         for i in rows:
-            start, end = starts[i], starts[i + 1]
-            out[start:end] = _attend_one(query[start:end], kv_cache, block_tables[i], lens[i],
-                                         scale)
-    return out
+            num_queries, seq_len = starts[i + 1] - starts[i], lens[i]
+            mask = None
+            if num_queries != seq_len:  # a cached prefix: causal with an offset
+                q_pos = torch.arange(seq_len - num_queries, seq_len, device=device)
+                visible = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
+                mask = _additive(visible, dtype)
+            calls.append(_PrefillCall([(starts[i], starts[i + 1])],
+                                      block_run(tables[i][:-(-seq_len // block_size)], device),
+                                      seq_len, mask))
+    return calls
 
 
-def _grouped_prefill(query, kv_cache, tables, starts, lens, rows, scale, out) -> bool:
-    """One attention call for chunks over a common cached prefix; False if they share none."""
-    block_size, num_kv_heads, head_dim = kv_cache.shape[2], kv_cache.shape[3], kv_cache.shape[4]
-    first = tables[rows[0]]
-    # blocks common to all and full before every chunk's first query
+def _plan_group(tables, starts, lens, rows, block_size, dtype, device) -> _PrefillCall | None:
+    """One call for chunks over a common cached prefix; None if they share no full block."""
     num_shared = shared_blocks([tables[i] for i in rows],
-                                [lens[i] - (starts[i + 1] - starts[i]) for i in rows], block_size)
+                               [lens[i] - (starts[i + 1] - starts[i]) for i in rows], block_size)
     if num_shared == 0:
-        return False
+        return None
     shared_len = num_shared * block_size
-    device = query.device
-    block_ids = [torch.tensor(first[:num_shared], dtype=torch.long, device=device)]
-    tail_lens = []
+    block_ids = list(tables[rows[0]][:num_shared])
+    spans = []  # (first key, tail length) of each chunk's own tail among the gathered keys
     for i in rows:
         tail_len = lens[i] - shared_len
-        tail_lens.append(tail_len)
-        block_ids.append(torch.tensor(tables[i][num_shared:num_shared + -(-tail_len // block_size)],
-                                      dtype=torch.long, device=device))
-    blocks = kv_cache.index_select(0, torch.cat(block_ids))  # [nb, 2, B, Hkv, D]
-    # Each part's tokens, in order: the shared prefix, then every chunk's own tail.
-    keep = [torch.arange(shared_len, device=device)]
-    offset, key_offsets = shared_len, []
-    for tail_len in tail_lens:
-        key_offsets.append(sum(len(k) for k in keep))
-        keep.append(torch.arange(offset, offset + tail_len, device=device))
-        offset += -(-tail_len // block_size) * block_size
-    index = torch.cat(keep)
-    keys = blocks[:, 0].reshape(-1, num_kv_heads, head_dim).index_select(0, index)
-    values = blocks[:, 1].reshape(-1, num_kv_heads, head_dim).index_select(0, index)
-    num_keys = len(index)
-    queries = torch.cat([query[starts[i]:starts[i + 1]] for i in rows])
-    mask = torch.zeros(len(queries), num_keys, dtype=torch.bool, device=device)
-    mask[:, :shared_len] = True
+        tail_blocks = tables[i][num_shared:num_shared + -(-tail_len // block_size)]
+        spans.append((len(block_ids) * block_size, tail_len))
+        block_ids.extend(tail_blocks)
+    num_keys = len(block_ids) * block_size
+    num_rows = sum(starts[i + 1] - starts[i] for i in rows)
+    visible = torch.zeros(num_rows, num_keys, dtype=torch.bool, device=device)
+    visible[:, :shared_len] = True
     row = 0
-    for i, tail_len, key_offset in zip(rows, tail_lens, key_offsets, strict=True):
+    for i, (key_start, tail_len) in zip(rows, spans, strict=True):
         num_queries = starts[i + 1] - starts[i]
-        # query j sits at position lens[i] - num_queries + j; tail key c at shared_len + c
-        visible = (torch.arange(tail_len, device=device)[None, :]
-                   <= (tail_len - num_queries + torch.arange(num_queries, device=device))[:, None])
-        mask[row:row + num_queries, key_offset:key_offset + tail_len] = visible
+        # query j sits at tail position tail_len - num_queries + j and sees tail keys up to it
+        visible[row:row + num_queries, key_start:key_start + tail_len] = (
+            torch.arange(tail_len, device=device)[None, :]
+            <= (tail_len - num_queries + torch.arange(num_queries, device=device))[:, None])
         row += num_queries
-    attn = torch.nn.functional.scaled_dot_product_attention(
-        queries.transpose(0, 1).unsqueeze(0),
-        keys.transpose(0, 1).unsqueeze(0).to(query.dtype),
-        values.transpose(0, 1).unsqueeze(0).to(query.dtype),
-        attn_mask=mask[None, None], scale=scale, enable_gqa=True,
-    )[0].transpose(0, 1)
-    row = 0
-    for i in rows:
-        num_queries = starts[i + 1] - starts[i]
-        out[starts[i]:starts[i + 1]] = attn[row:row + num_queries]
-        row += num_queries
-    return True
+    return _PrefillCall([(starts[i], starts[i + 1]) for i in rows],
+                        block_run(block_ids, device), num_keys, _additive(visible, dtype))
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask as SDPA's additive one (0 / -inf), ``[1, 1, q, L]``, built once a step."""
+    bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    return bias.masked_fill_(~visible, float("-inf"))[None, None]
 
 
 # ---------------------------------------------------------------------------------------------

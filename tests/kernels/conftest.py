@@ -87,3 +87,19 @@ def paged_kv() -> Callable[..., PagedKV]:
 @pytest.fixture
 def close() -> Callable[[torch.Tensor, torch.Tensor, torch.dtype], None]:
     return assert_close
+
+
+def _make_pool(gen: torch.Generator, num_blocks: int, block_size: int, num_kv_heads: int,
+               head_dim: int, layout: str) -> torch.Tensor:
+    """``[num_blocks, 2, B, Hkv, D]``, ``interleaved`` (contiguous) or stored as ``planes`` (all
+    keys, then all values: the runner's pool, which the CPU paths read in place)."""
+    if layout == "interleaved":
+        return torch.randn(num_blocks, 2, block_size, num_kv_heads, head_dim, generator=gen)
+    planes = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=gen)
+    return planes.transpose(0, 1)
+
+
+@pytest.fixture
+def make_pool() -> Callable[..., torch.Tensor]:
+    """Random pools for the CPU paths (no NaN: they may read a partial block's unused slots)."""
+    return _make_pool

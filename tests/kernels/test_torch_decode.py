@@ -9,9 +9,12 @@ from agentd.kernels.decode_attention import reference_decode_attention, torch_de
 
 
 def build_tables(gen: torch.Generator, num_blocks: int, block_size: int, groups: list[int],
-                 shared_blocks: int) -> tuple[list[list[int]], list[int]]:
-    """Rows in groups that share ``shared_blocks`` leading blocks, each with its own tail."""
-    free = torch.randperm(num_blocks, generator=gen).tolist()
+                 shared_blocks: int, consecutive: bool = False
+                 ) -> tuple[list[list[int]], list[int]]:
+    """Rows in groups that share ``shared_blocks`` leading blocks, each with its own tail; blocks
+    handed out in a random order, or in pool order with ``consecutive``."""
+    free = (list(range(num_blocks))[::-1] if consecutive
+            else torch.randperm(num_blocks, generator=gen).tolist())
     tables, lens = [], []
     for group_rows in groups:
         prefix = [free.pop() for _ in range(shared_blocks)]
@@ -26,12 +29,14 @@ def build_tables(gen: torch.Generator, num_blocks: int, block_size: int, groups:
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (8, 1)])
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("groups,shared_blocks", [([1], 3), ([5], 4), ([3, 1, 4], 2), ([2], 0)])
+@pytest.mark.parametrize("layout,consecutive", [("interleaved", False), ("planes", False),
+                                                ("planes", True)])
 def test_grouped_decode_matches_reference(num_heads, num_kv_heads, block_size, groups,
-                                          shared_blocks):
+                                          shared_blocks, layout, consecutive, make_pool):
     gen = torch.Generator().manual_seed(hash((num_heads, block_size, len(groups))) % 2**31)
     head_dim = 32
-    kv_cache = torch.randn(80, 2, block_size, num_kv_heads, head_dim, generator=gen)
-    tables, lens = build_tables(gen, 80, block_size, groups, shared_blocks)
+    kv_cache = make_pool(gen, 80, block_size, num_kv_heads, head_dim, layout)
+    tables, lens = build_tables(gen, 80, block_size, groups, shared_blocks, consecutive)
     width = max(len(t) for t in tables) + 2
     block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
     seq_lens = torch.tensor(lens, dtype=torch.int32)

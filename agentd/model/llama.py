@@ -8,6 +8,7 @@ Invariant: for the same weights, logits equal transformers' within float toleran
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
@@ -126,6 +127,23 @@ class RotaryEmbedding(nn.Module):
         return out
 
 
+ONEDNN_CACHE_ENTRIES = 16  # a step's five layer shapes for three row counts
+
+
+def bound_onednn_caches(entries: int = ONEDNN_CACHE_ENTRIES) -> None:
+    """Cap the caches in which oneDNN keeps a compiled primitive per input shape.
+
+    Why: a daemon runs a new number of rows (tokens in the step) almost every step, and both
+    caches (oneDNN's own and ideep's ``LRU_CACHE_CAPACITY``, which holds the same primitives)
+    default to 1,024 entries of ~1-2 MB each here (more for more rows), so RSS only grew: +2 MB
+    per new row count for two of the default model's layer shapes, +260 MB over one ``agentd
+    bench``. A primitive takes ~0.3 ms to create, so a small cache costs little. Both are read
+    at oneDNN's first use; values already set win.
+    """
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(entries))
+    os.environ.setdefault("LRU_CACHE_CAPACITY", str(entries))
+
+
 class PackedLinear(nn.Module):
     """A CPU linear layer whose weight is reordered once into oneDNN's blocked layout.
 
@@ -178,6 +196,7 @@ def pack_linears(model: nn.Module) -> int:
              for name, child in parent.named_children() if type(child) is nn.Linear]
     if not slots or not torch.backends.mkldnn.is_available():
         return 0
+    bound_onednn_caches()
     first = getattr(*slots[0])
     if first.weight.device.type != "cpu" or first.weight.dtype not in (torch.float32,
                                                                        torch.bfloat16):

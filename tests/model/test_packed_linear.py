@@ -3,6 +3,10 @@ rows independent of batch size, dense weights dropped, tied LM heads left alone.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -66,3 +70,38 @@ def test_nothing_is_packed_off_cpu_or_in_float16() -> None:
     model = LlamaModel(config).to(torch.float16)
     assert pack_linears(model) == 0
     assert not any(isinstance(m, PackedLinear) for m in model.modules())
+
+
+_GROWTH_SCRIPT = """
+import re, sys, torch
+from torch import nn
+from agentd.model.llama import PackedLinear, bound_onednn_caches
+if sys.argv[1] == "bounded":
+    bound_onednn_caches()
+def rss_mb():
+    return int(re.search(r"VmRSS:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) / 1024
+layers = [PackedLinear(nn.Linear(576, n, bias=False)) for n in (960, 3072)]
+def run(rows):
+    for m in rows:
+        for layer in layers:
+            layer(torch.randn(m, 576))
+run(range(1, 41))  # fills a bounded cache
+before = rss_mb()
+run(range(41, 301))
+print(rss_mb() - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status")
+def test_new_row_counts_do_not_grow_memory_without_bound() -> None:
+    """oneDNN compiles a primitive per input shape and, by default, keeps 1,024 of them; a
+    daemon sees a new row count nearly every step. Bounded, 260 new row counts cost little."""
+    growth = {}
+    env = {k: v for k, v in os.environ.items()  # packing in this process set them
+           if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    for mode in ("bounded", "default"):
+        result = subprocess.run([sys.executable, "-c", _GROWTH_SCRIPT, mode], capture_output=True,
+                                text=True, timeout=120, check=True, env=env)
+        growth[mode] = float(result.stdout.split()[-1])
+    assert growth["default"] > 300, growth  # the failure this guards against is real here
+    assert growth["bounded"] < 80, growth

@@ -1,12 +1,14 @@
-"""Shared pieces of the Triton kernels: the optional import and the wrappers' input checks.
+"""Shared pieces of the Triton kernels: the deferred import and the wrappers' input checks.
 
-Invariant: importing this module never fails without Triton, so the torch references (which
-live beside the kernels) stay importable on a plain CPU install; ``triton_backend`` is the one
-import that requires Triton.
+Invariant: importing this module never imports Triton, so the torch references and CPU paths
+(which live beside the kernels) load without it: on a plain CPU install, and without the ~70 MB
+of RSS that importing Triton costs a CPU daemon. Triton is imported at the first launch or check
+(:func:`load_triton`); ``triton_backend`` is the one import that requires it up front.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -14,12 +16,30 @@ from typing import Any, TypeVar
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - triton is an optional extra
-    triton = None
-    tl = None
+# The real modules once load_triton() ran; the kernel modules import these names, and each
+# kernel's module gets them at its first launch (Triton resolves a kernel's globals when it
+# compiles it).
+triton: Any = None
+tl: Any = None
+_TRITON_MISSING = False
+
+
+def load_triton() -> Any:
+    """Import Triton on first use; ``None`` when it is not installed."""
+    global triton, tl, _TRITON_MISSING
+    if triton is None and not _TRITON_MISSING:
+        try:
+            import triton as triton_module
+            import triton.language as tl_module
+        except ImportError:  # pragma: no cover - triton is an optional extra
+            _TRITON_MISSING = True
+            return None
+        triton, tl = triton_module, tl_module
+    return triton
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -35,6 +55,8 @@ class _LazyJit:
 
     def __getitem__(self, grid: tuple[int, ...]) -> Any:
         if self._kernel is None:
+            load_triton()
+            self.fn.__globals__.update(triton=triton, tl=tl)
             self._kernel = triton.jit(self.fn)
         return self._kernel[grid]
 
@@ -50,6 +72,7 @@ def dot_dtype(dtype: torch.dtype) -> Any:
     Triton 3.9's interpreter multiplies bfloat16 operands as their raw uint16 bits, so under
     ``TRITON_INTERPRET`` bfloat16 dots are widened to fp32; compiled kernels keep bfloat16.
     """
+    load_triton()
     if dtype == torch.bfloat16:
         return tl.float32 if triton.knobs.runtime.interpret else tl.bfloat16
     return tl.float16 if dtype == torch.float16 else tl.float32
@@ -91,8 +114,7 @@ def step_plan(kind: str, tensors: tuple[torch.Tensor, ...], build: Callable[[], 
 
 def block_run(block_ids: list[int], device: torch.device) -> slice | torch.Tensor:
     """Blocks as a slice of the pool when they are consecutive (read in place), else an index."""
-    if block_ids and block_ids[-1] - block_ids[0] == len(block_ids) - 1 and all(
-            b - a == 1 for a, b in zip(block_ids, block_ids[1:])):
+    if block_ids and all(b - a == 1 for a, b in itertools.pairwise(block_ids)):
         return slice(block_ids[0], block_ids[-1] + 1)
     return torch.tensor(block_ids, dtype=torch.long, device=device)
 
@@ -164,7 +186,7 @@ def check_attention_inputs(op: str, query: torch.Tensor, kv_cache: torch.Tensor,
 
 
 def check_runnable(op: str, device: torch.device) -> None:
-    if triton is None:
+    if load_triton() is None:
         raise ValueError(f"{op}: triton is not installed; use the torch backend")
     if device.type != "cuda" and not triton.knobs.runtime.interpret:
         raise ValueError(f"{op}: Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 to "

@@ -13,6 +13,7 @@ import torch
 
 from agentd.kernels._common import (
     block_run,
+    cdiv,
     check_attention_inputs,
     check_index,
     dot_dtype,
@@ -21,7 +22,6 @@ from agentd.kernels._common import (
     step_plan,
     take_blocks,
     tl,
-    triton,
 )
 
 
@@ -305,7 +305,7 @@ def _launch_decode(
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     group_size = num_heads // num_kv_heads
     max_context = block_tables.shape[1] * block_size
-    num_partitions = max(triton.cdiv(max_context, partition_size), 1)
+    num_partitions = max(cdiv(max_context, partition_size), 1)
     split = num_partitions > 1
     head_dim_pad = max(next_pow2(head_dim), 16)
     workspace = _decode_workspace(num_seqs, num_heads, num_partitions, head_dim, split, out.device)

@@ -14,6 +14,7 @@ import torch
 
 from agentd.kernels._common import (
     block_run,
+    cdiv,
     check_attention_inputs,
     check_index,
     dot_dtype,
@@ -22,7 +23,6 @@ from agentd.kernels._common import (
     step_plan,
     take_blocks,
     tl,
-    triton,
 )
 from agentd.kernels.decode_attention import gather_kv, shared_blocks
 
@@ -313,7 +313,7 @@ def _launch_prefill(
     tile_start_loc[1:] = torch.cumsum(
         torch.div(chunk_lens + block_m - 1, block_m, rounding_mode="floor"), 0
     )
-    grid = (triton.cdiv(num_tokens, block_m) + num_seqs, num_heads)
+    grid = (cdiv(num_tokens, block_m) + num_seqs, num_heads)
     _prefill_kernel[grid](
         out, query, kv_cache, block_tables, query_start_loc, seq_lens, tile_start_loc,
         num_seqs, scale * _LOG2E,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -225,13 +226,20 @@ def pack_linears(model: nn.Module) -> int:
     return num_packed
 
 
-def release_free_memory() -> None:
-    """Hand memory freed after loading (dense weights, reads) back to the OS: glibc keeps freed
-    heap pages otherwise, ~210 MB of RSS for the default model. A no-op off glibc."""
-    try:
-        import ctypes
+_libc: Any = None
 
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+def release_free_memory() -> None:
+    """Hand freed heap memory back to the OS: glibc keeps it otherwise, ~210 MB of RSS after
+    loading the default model (dense weights, reads), ~50-90 MB after a long prefill step
+    (activations). Takes ~1-5 ms. A no-op off glibc."""
+    global _libc
+    try:
+        if _libc is None:
+            import ctypes
+
+            _libc = ctypes.CDLL("libc.so.6")
+        _libc.malloc_trim(0)
     except (OSError, AttributeError):
         pass
 
@@ -289,6 +297,9 @@ class Attention(nn.Module):
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
+MLP_ROWS = 512  # rows per MLP piece: a bound on activation memory, not a speed knob
+
+
 class MLP(nn.Module):
     def __init__(self, dims: ModelDims, device: torch.device | str | None = None) -> None:
         super().__init__()
@@ -299,6 +310,18 @@ class MLP(nn.Module):
                                    device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= MLP_ROWS:
+            return self._rows(x)
+        # A long prefill chunk's [rows, 2 * intermediate] activations are the step's largest
+        # tensors (50 MB for 2,048 rows of the default model); in pieces they stay small and
+        # the GEMMs keep their speed.
+        out = torch.empty(x.shape[0], self.down_proj.out_features, dtype=x.dtype,
+                          device=x.device)
+        for start in range(0, x.shape[0], MLP_ROWS):
+            out[start:start + MLP_ROWS] = self._rows(x[start:start + MLP_ROWS])
+        return out
+
+    def _rows(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -326,10 +349,11 @@ class LlamaModel(nn.Module):
         """``device="meta"`` builds the shapes only, for ``to_empty`` and a checkpoint load."""
         super().__init__()
         self.dims = dims = ModelDims.from_config(config)
-        # An explicit weight skips the random init (normal_ on meta would import torch._dynamo).
+        # An explicit weight skips the random init (normal_ on meta would import torch._dynamo);
+        # zeros, not empty: a model built off meta must not start from whatever memory held.
         self.embed_tokens = nn.Embedding(
             dims.vocab_size, dims.hidden_size,
-            _weight=torch.empty(dims.vocab_size, dims.hidden_size, device=device))
+            _weight=torch.zeros(dims.vocab_size, dims.hidden_size, device=device))
         self.layers = nn.ModuleList(DecoderLayer(dims, device) for _ in range(dims.num_layers))
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, device)
         self.lm_head = nn.Linear(dims.hidden_size, dims.vocab_size, bias=False, device=device)

@@ -50,6 +50,7 @@ def test_pack_linears_swaps_every_layer_and_keeps_a_tied_head_dense(tie: bool) -
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tie)
     model = LlamaModel(config)
+    nn.init.normal_(model.embed_tokens.weight)  # the tied head's weight: not all zeros
     num_linears = sum(type(m) is nn.Linear for m in model.modules())
     x = torch.randn(5, 32)
     head = model.lm_head(x)

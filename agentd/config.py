@@ -45,7 +45,7 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"
     block_size: int = 16
-    kv_cache_memory_bytes: int = 512 * 2**20
+    kv_cache_memory_bytes: int = 384 * 2**20  # 8,736 tokens of the default model
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None

@@ -45,7 +45,8 @@ def _option(name: str, **kwargs: Any) -> Any:
 @click.option("--detach", is_flag=True,
               help="Run in the background (pid and log in the state dir); return once ready.")
 @state_dir_option
-@_option("--kv-cache-memory", default="512MiB", help="KV block pool size, e.g. 512MiB or 2GiB.")
+@_option("--kv-cache-memory", default="384MiB",
+         help="KV block pool size, e.g. 384MiB or 2GiB (384MiB: 8,736 default-model tokens).")
 @_option("--block-size", default=_DEFAULTS["block_size"], type=int,
          help="Tokens per KV block (8, 16, 32, 64 or 128).")
 @_option("--max-num-seqs", default=_DEFAULTS["max_num_seqs"], type=int,

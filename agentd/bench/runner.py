@@ -9,6 +9,7 @@ Order (each phase's requests carry distinct user turns after the workload's shar
    requests with no salt, which is the namespace a pin covers;
 4. pressure — a few namespaces are warmed, then unique long prompts push more tokens through the
    pool than it holds, then pinned requests and requests in those once-warm namespaces alternate;
+   the pinned ones resend phase 3's prompts, so the two compare the same turns;
 5. multiturn — the workload's conversations replayed step by step (each step's prompt extends
    the previous one's);
 6. throughput — at each concurrency C, max(C, requests) requests by C concurrent clients on the
@@ -130,10 +131,11 @@ class WorkloadRunner:
             result.notes.append("pinned phases skipped (--no-pin)")
         try:
             steady = Namespace() if pin_name else self.warm_ns
-            if pin_name:
-                await self.sequential(PINNED, [self.spec(steady) for _ in self._n()])
+            pinned = [self.spec(steady) for _ in self._n()] if pin_name else None
+            if pinned:
+                await self.sequential(PINNED, pinned)
             if self.settings.pressure:
-                await self._pressure(steady if pin_name else None)
+                await self._pressure(pinned)
             else:
                 result.notes.append("pressure phase skipped (--no-pressure)")
             await self.sequential("prime", [self.spec(steady)])
@@ -173,7 +175,8 @@ class WorkloadRunner:
         self.result.pin = reply
         return name
 
-    async def _pressure(self, pinned: Namespace | None) -> None:
+    async def _pressure(self, pinned: list[Spec] | None) -> None:
+        """``pinned``: the pinned phase's requests, sent again once the pool has overflowed."""
         pool_tokens = self.settings.pressure_tokens
         if pool_tokens is None and self.server.num_blocks_total is not None:
             pool_tokens = self.server.num_blocks_total * self.server.block_size
@@ -188,9 +191,9 @@ class WorkloadRunner:
                                  f"through a pool of {pool_tokens} tokens")
         await self.sequential("pressure_fill", fills)
         plan: list[tuple[str, Spec]] = []
-        for i in range(max(self.settings.requests, len(victims))):
-            if pinned is not None and i < self.settings.requests:
-                plan.append((PRESSURE_PINNED, self.spec(pinned)))
+        for i in range(max(len(pinned or ()), len(victims))):
+            if pinned and i < len(pinned):
+                plan.append((PRESSURE_PINNED, pinned[i]))
             if i < len(victims):
                 plan.append((PRESSURE_UNPINNED, self.spec(victims[i])))
         self.progress.phase(f"{self.result.workload.name}: after pressure", len(plan))

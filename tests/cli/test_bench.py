@@ -116,6 +116,9 @@ def test_bench_against_agentd(runner: CliRunner, tiny_daemon, tmp_path) -> None:
     pin_tokens = f["pin_num_tokens"]
     assert all(r["cached_tokens"] >= pin_tokens for r in phases["pressure_pinned"]["requests"])
     assert all(r["cached_tokens"] < pin_tokens for r in phases["pressure_unpinned"]["requests"])
+    # ...and it is measured on the pinned phase's own prompts, so the two compare equal turns
+    assert ([r["prompt_tokens"] for r in phases["pressure_pinned"]["requests"]]
+            == [r["prompt_tokens"] for r in phases["pinned"]["requests"]])
     assert httpx.get(f"{url}/v1/pins").json()["data"] == []  # the run's pin is gone
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -29,7 +29,7 @@ def gather_kv(
     kv_cache: torch.Tensor, block_table: torch.Tensor, num_tokens: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's first ``num_tokens`` keys/values out of the pool: ``[n, Hkv, D]``."""
-    num_blocks = -(-num_tokens // kv_cache.shape[2])
+    num_blocks = cdiv(num_tokens, kv_cache.shape[2])
     blocks = block_table[:num_blocks].long()
     return (take_blocks(kv_cache, 0, blocks)[:num_tokens],
             take_blocks(kv_cache, 1, blocks)[:num_tokens])
@@ -58,7 +58,7 @@ def reference_decode_attention(
         return torch.empty_like(query)
     block_size, num_kv_heads = kv_cache.shape[2], kv_cache.shape[3]
     max_len = int(seq_lens.max())
-    num_blocks = -(-max_len // block_size)
+    num_blocks = cdiv(max_len, block_size)
     table = block_tables[:, :num_blocks].long()
     blocks = kv_cache[table]  # [S, nb, 2, B, Hkv, D]
     keys = blocks[:, :, 0].reshape(num_seqs, num_blocks * block_size, num_kv_heads, -1)
@@ -138,7 +138,7 @@ def _plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor,
         num_shared = shared_blocks(group_tables, [lens[i] for i in rows], block_size)
         shared_len = num_shared * block_size
         tail_lens = [lens[i] - shared_len for i in rows]
-        num_tail = -(-max(tail_lens) // block_size)
+        num_tail = cdiv(max(tail_lens), block_size)
         tail_ids = [t[num_shared:num_shared + num_tail] for t in group_tables]
         tail_ids = [ids + [0] * (num_tail - len(ids)) for ids in tail_ids]
         valid = (torch.arange(num_tail * block_size, device=device)[None, :]

@@ -166,7 +166,7 @@ def _plan_prefill(block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                 visible = torch.arange(seq_len, device=device)[None, :] <= q_pos[:, None]
                 mask = _additive(visible, dtype)
             calls.append(_PrefillCall([(starts[i], starts[i + 1])],
-                                      block_run(tables[i][:-(-seq_len // block_size)], device),
+                                      block_run(tables[i][:cdiv(seq_len, block_size)], device),
                                       seq_len, mask))
     return calls
 
@@ -182,7 +182,7 @@ def _plan_group(tables, starts, lens, rows, block_size, dtype, device) -> _Prefi
     spans = []  # (first key, tail length) of each chunk's own tail among the gathered keys
     for i in rows:
         tail_len = lens[i] - shared_len
-        tail_blocks = tables[i][num_shared:num_shared + -(-tail_len // block_size)]
+        tail_blocks = tables[i][num_shared:num_shared + cdiv(tail_len, block_size)]
         spans.append((len(block_ids) * block_size, tail_len))
         block_ids.extend(tail_blocks)
     num_keys = len(block_ids) * block_size

@@ -8,6 +8,7 @@ of RSS that importing Triton costs a CPU daemon. Triton is imported at the first
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 from collections.abc import Callable, Iterator
@@ -127,6 +128,27 @@ def take_blocks(kv_cache: torch.Tensor, which: int, blocks: slice | torch.Tensor
     plane = kv_cache[:, which]
     part = plane[blocks] if isinstance(blocks, slice) else plane.index_select(0, blocks)
     return part.reshape(-1, kv_cache.shape[3], kv_cache.shape[4])
+
+
+def matmul_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype the CPU attention paths multiply in: bfloat16 inputs stay bfloat16 where oneDNN
+    has bfloat16 GEMMs (AVX512-BF16 or AMX), else everything is widened to fp32.
+
+    Why: on such CPUs a bfloat16 ``torch.bmm`` runs on oneDNN at 4-5x the fp32 rate (measured on
+    this project's 2-core AMD EPYC: 556 vs 123 GFLOP/s for a decode-sized score product), while
+    SDPA's bfloat16 CPU kernel is no faster than fp32.
+    """
+    if dtype == torch.bfloat16 and device.type == "cpu" and _bf16_gemm():
+        return torch.bfloat16
+    return torch.float32
+
+
+@functools.cache
+def _bf16_gemm() -> bool:
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):  # pragma: no cover - a torch without oneDNN
+        return False
 
 
 def next_pow2(n: int) -> int:

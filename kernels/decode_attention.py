@@ -18,6 +18,7 @@ from agentd.kernels._common import (
     check_index,
     dot_dtype,
     jit,
+    matmul_dtype,
     next_pow2,
     step_plan,
     take_blocks,
@@ -93,7 +94,8 @@ def torch_decode_attention(
     if query.shape[0] == 0:
         return torch.empty_like(query)
     plan = step_plan("decode", (block_tables, seq_lens),
-                     lambda: _plan_decode(block_tables, seq_lens, kv_cache.shape[2]))
+                     lambda: _plan_decode(block_tables, seq_lens, kv_cache.shape[2],
+                                          matmul_dtype(query.dtype, query.device)))
     if len(plan) == 1 and plan[0].rows is None:
         return _grouped_decode(query, kv_cache, plan[0], scale)
     out = torch.empty_like(query)
@@ -124,8 +126,8 @@ class _DecodeGroup:
     tail_bias: torch.Tensor  # [R, 1, 1, tail_len]: 0 for a row's own tail tokens, -inf past them
 
 
-def _plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                 block_size: int) -> list[_DecodeGroup]:
+def _plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int,
+                 dtype: torch.dtype = torch.float32) -> list[_DecodeGroup]:
     tables = block_tables.tolist()
     lens = seq_lens.tolist()
     device = block_tables.device
@@ -143,7 +145,8 @@ def _plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor,
         tail_ids = [ids + [0] * (num_tail - len(ids)) for ids in tail_ids]
         valid = (torch.arange(num_tail * block_size, device=device)[None, :]
                  < torch.tensor(tail_lens, device=device)[:, None])
-        bias = torch.zeros(valid.shape, device=device).masked_fill_(~valid, float("-inf"))
+        bias = torch.zeros(valid.shape, dtype=dtype, device=device).masked_fill_(~valid,
+                                                                                  float("-inf"))
         groups.append(_DecodeGroup(
             rows=None if len(by_first) == 1 else torch.tensor(rows, device=device),
             shared=block_run(group_tables[0][:num_shared], device),
@@ -158,21 +161,26 @@ def _plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor,
 def _grouped_decode(query: torch.Tensor, kv_cache: torch.Tensor, group: _DecodeGroup,
                     scale: float) -> torch.Tensor:
     """The group's common leading blocks are read once and scored against all its queries in
-    one batched matmul; each row's own tail is gathered per row. One softmax spans both."""
+    one batched matmul; each row's own tail is gathered per row. One softmax spans both.
+
+    Products run in ``matmul_dtype`` (bfloat16 stays bfloat16 where the CPU has bfloat16
+    GEMMs: widening the shared prefix to fp32 every layer cost more than the products).
+    """
     num_rows, num_heads, head_dim = query.shape
     num_kv_heads = kv_cache.shape[3]
-    q = query.float().view(num_rows, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    k_shared = take_blocks(kv_cache, 0, group.shared).float()
+    work = group.tail_bias.dtype  # the plan's matmul dtype
+    q = query.to(work).view(num_rows, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    k_shared = take_blocks(kv_cache, 0, group.shared).to(work)
     scores_shared = torch.einsum("rkgd,lkd->rkgl", q, k_shared)
-    k_tail = take_blocks(kv_cache, 0, group.tail_blocks).float().view(
+    k_tail = take_blocks(kv_cache, 0, group.tail_blocks).to(work).view(
         num_rows, -1, num_kv_heads, head_dim)
     scores_tail = torch.einsum("rkgd,rlkd->rkgl", q, k_tail) + group.tail_bias
     probs = torch.softmax(torch.cat([scores_shared, scores_tail], dim=-1) * scale, dim=-1)
-    v_tail = take_blocks(kv_cache, 1, group.tail_blocks).float().view(
+    v_tail = take_blocks(kv_cache, 1, group.tail_blocks).to(work).view(
         num_rows, -1, num_kv_heads, head_dim)
     out = torch.einsum("rkgl,rlkd->rkgd", probs[..., group.shared_len:], v_tail)
     if group.shared_len:
-        v_shared = take_blocks(kv_cache, 1, group.shared).float()
+        v_shared = take_blocks(kv_cache, 1, group.shared).to(work)
         out = out + torch.einsum("rkgl,lkd->rkgd", probs[..., :group.shared_len], v_shared)
     return out.reshape(num_rows, num_heads, head_dim).to(query.dtype)
 

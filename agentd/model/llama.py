@@ -129,9 +129,15 @@ class RotaryEmbedding(nn.Module):
 
 
 ONEDNN_CACHE_ENTRIES = 16  # a step's five layer shapes for three row counts
+# bfloat16 attention runs as batched GEMMs over 128-row tiles (kernels.prefill_attention), two
+# shapes per tile: a 2,048-token chunk's 32 shapes recur in every layer, so they must all fit, or
+# every product recompiles (a 2,100-token bf16 prefill: 1.7 s with 16 entries, 1.2-1.5 s with 64).
+# Costs up to ~36 MB more RSS than 16 (260 new row counts of two layer shapes: +91 vs +55 MB).
+ONEDNN_CACHE_ENTRIES_BF16 = 64
 
 
-def bound_onednn_caches(entries: int = ONEDNN_CACHE_ENTRIES) -> None:
+def bound_onednn_caches(entries: int = ONEDNN_CACHE_ENTRIES,
+                        primitive_entries: int | None = None) -> None:
     """Cap the caches in which oneDNN keeps a compiled primitive per input shape.
 
     Why: a daemon runs a new number of rows (tokens in the step) almost every step, and both
@@ -139,9 +145,10 @@ def bound_onednn_caches(entries: int = ONEDNN_CACHE_ENTRIES) -> None:
     default to 1,024 entries of ~1-2 MB each here (more for more rows), so RSS only grew: +2 MB
     per new row count for two of the default model's layer shapes, +260 MB over one ``agentd
     bench``. A primitive takes ~0.3 ms to create, so a small cache costs little. Both are read
-    at oneDNN's first use; values already set win.
+    at oneDNN's first use; values already set win. ``primitive_entries`` (default ``entries``)
+    sizes oneDNN's own cache alone.
     """
-    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(entries))
+    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(primitive_entries or entries))
     os.environ.setdefault("LRU_CACHE_CAPACITY", str(entries))
 
 
@@ -197,8 +204,9 @@ def pack_linears(model: nn.Module) -> int:
              for name, child in parent.named_children() if type(child) is nn.Linear]
     if not slots or not torch.backends.mkldnn.is_available():
         return 0
-    bound_onednn_caches()
     first = getattr(*slots[0])
+    bound_onednn_caches(primitive_entries=ONEDNN_CACHE_ENTRIES_BF16
+                        if first.weight.dtype == torch.bfloat16 else None)
     if first.weight.device.type != "cpu" or first.weight.dtype not in (torch.float32,
                                                                        torch.bfloat16):
         return 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from agentd.kernels._common import matmul_dtype
 from agentd.kernels.decode_attention import reference_decode_attention, torch_decode_attention
 
 
@@ -56,3 +57,29 @@ def test_rows_whose_length_ends_on_a_shared_block_boundary():
         torch_decode_attention(query, kv_cache, block_tables, seq_lens, 0.25),
         reference_decode_attention(query, kv_cache, block_tables, seq_lens, 0.25),
         atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(matmul_dtype(torch.bfloat16, torch.device("cpu")) != torch.bfloat16,
+                    reason="this CPU has no bfloat16 GEMMs, so bfloat16 is widened to fp32")
+@pytest.mark.parametrize("groups,shared_blocks", [([1], 3), ([3, 1, 4], 2), ([2], 0)])
+def test_bf16_decode_multiplies_in_bf16_and_matches_fp32(groups, shared_blocks, make_pool,
+                                                         monkeypatch):
+    """No fp32 copy of the pool: widening the shared prefix every layer cost more than the
+    products. Within bf16 rounding of the fp32 reference on the same inputs."""
+    gen = torch.Generator().manual_seed(len(groups) * 10 + shared_blocks)
+    kv_cache = make_pool(gen, 80, 16, 3, 64, "planes").to(torch.bfloat16)
+    tables, lens = build_tables(gen, 80, 16, groups, shared_blocks)
+    width = max(len(t) for t in tables) + 2
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    query = torch.randn(len(lens), 9, 64, generator=gen).to(torch.bfloat16)
+    expected = reference_decode_attention(query.float(), kv_cache.float(), block_tables, seq_lens,
+                                          0.125)
+    widened = []
+    original = torch.Tensor.float
+    monkeypatch.setattr(torch.Tensor, "float",
+                        lambda self, *a, **kw: widened.append(self.shape) or original(self, *a, **kw))
+    actual = torch_decode_attention(query, kv_cache, block_tables, seq_lens, 0.125)
+    assert widened == []
+    assert actual.dtype == torch.bfloat16
+    torch.testing.assert_close(actual.float(), expected, atol=2e-2, rtol=2e-2)

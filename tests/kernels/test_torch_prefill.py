@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agentd.kernels.prefill_attention import reference_prefill_attention, torch_prefill_attention
+from agentd.kernels._common import matmul_dtype
+from agentd.kernels.prefill_attention import (
+    MATMUL_TILE_ROWS,
+    reference_prefill_attention,
+    torch_prefill_attention,
+)
+
+needs_bf16_gemm = pytest.mark.skipif(
+    matmul_dtype(torch.bfloat16, torch.device("cpu")) != torch.bfloat16,
+    reason="this CPU has no bfloat16 GEMMs, so bfloat16 runs through SDPA")
 
 
 def build_batch(gen: torch.Generator, block_size: int, specs: list[tuple[int, int, int]],
@@ -42,11 +51,17 @@ CASES = {
     "a single warm chunk": [(0, 47, 13)],
     "contexts shorter than a block": [(0, 5, 4), (0, 5, 3)],
 }
+# Chunks of several bfloat16 score tiles (MATMUL_TILE_ROWS rows each).
+LONG_CASES = {
+    "a cold prompt": [(0, 0, 2 * MATMUL_TILE_ROWS + 44)],
+    "a long chunk behind a partial block": [(0, 37, 2 * MATMUL_TILE_ROWS + 30)],
+    "a group with long tails": [(0, 64, MATMUL_TILE_ROWS + 20), (0, 64, 9)],
+}
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (8, 1)])
 @pytest.mark.parametrize("block_size", [8, 16])
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", list(CASES) + list(LONG_CASES))
 @pytest.mark.parametrize("layout,consecutive", [("interleaved", False), ("planes", False),
                                                 ("planes", True)])
 def test_grouped_prefill_matches_reference(num_heads, num_kv_heads, block_size, case, layout,
@@ -54,8 +69,8 @@ def test_grouped_prefill_matches_reference(num_heads, num_kv_heads, block_size, 
     gen = torch.Generator().manual_seed(hash((num_heads, block_size, case)) % 2**31)
     head_dim = 32
     kv_cache = make_pool(gen, 200, block_size, num_kv_heads, head_dim, layout)
-    block_tables, starts, seq_lens, num_tokens = build_batch(gen, block_size, CASES[case],
-                                                             consecutive=consecutive)
+    block_tables, starts, seq_lens, num_tokens = build_batch(
+        gen, block_size, {**CASES, **LONG_CASES}[case], consecutive=consecutive)
     query = torch.randn(num_tokens, num_heads, head_dim, generator=gen)
     expected = reference_prefill_attention(query, kv_cache, block_tables, starts, seq_lens, 0.2)
     actual = torch_prefill_attention(query, kv_cache, block_tables, starts, seq_lens, 0.2)
@@ -127,4 +142,48 @@ def test_a_step_plans_once_for_all_layers(monkeypatch, make_pool) -> None:
     actual = torch_prefill_attention(query, layers[0], block_tables, starts, seq_lens, 0.2)
     assert len(plans) == 3
     expected = reference_prefill_attention(query, layers[0], block_tables, starts, seq_lens, 0.2)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3)])
+@pytest.mark.parametrize("case", list(CASES) + list(LONG_CASES))
+@pytest.mark.parametrize("layout,consecutive", [("interleaved", False), ("planes", True)])
+def test_bf16_prefill_runs_as_tiled_matmuls_and_matches_fp32(num_heads, num_kv_heads, case,
+                                                             layout, consecutive, make_pool,
+                                                             monkeypatch) -> None:
+    """bfloat16 goes through ``matmul_attention`` (SDPA would fail here) and stays within bf16
+    rounding of the fp32 reference on the same rounded inputs."""
+    gen = torch.Generator().manual_seed(hash((num_heads, case, layout)) % 2**31)
+    kv_cache = make_pool(gen, 200, 16, num_kv_heads, 64, layout).to(torch.bfloat16)
+    block_tables, starts, seq_lens, num_tokens = build_batch(
+        gen, 16, {**CASES, **LONG_CASES}[case], consecutive=consecutive)
+    query = torch.randn(num_tokens, num_heads, 64, generator=gen).to(torch.bfloat16)
+    expected = reference_prefill_attention(query.float(), kv_cache.float(), block_tables, starts,
+                                           seq_lens, 0.125)
+
+    def no_sdpa(*args, **kwargs):
+        raise AssertionError("bfloat16 must not go through SDPA on a CPU with bf16 GEMMs")
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", no_sdpa)
+    actual = torch_prefill_attention(query, kv_cache, block_tables, starts, seq_lens, 0.125)
+    assert actual.dtype == torch.bfloat16
+    torch.testing.assert_close(actual.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_a_chunk_behind_a_prefix_needs_no_mask(monkeypatch, make_pool) -> None:
+    """fp32: a lone chunk behind cached tokens is two flash calls (the prefix unmasked, its own
+    keys causally) merged by log-sum-exp, never SDPA with a [q, L] mask."""
+    gen = torch.Generator().manual_seed(6)
+    kv_cache = make_pool(gen, 60, 16, 3, 32, "planes")
+    block_tables, starts, seq_lens, num_tokens = build_batch(gen, 16, [(0, 45, 150)],
+                                                             num_blocks=60)
+    query = torch.randn(num_tokens, 9, 32, generator=gen)
+    expected = reference_prefill_attention(query, kv_cache, block_tables, starts, seq_lens, 0.2)
+    masks = []
+    original = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda *a, **kw: masks.append(kw.get("attn_mask")) or original(*a, **kw))
+    actual = torch_prefill_attention(query, kv_cache, block_tables, starts, seq_lens, 0.2)
+    assert masks == []
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)

@@ -8,6 +8,7 @@ all in one batch, from the prefix cache, under preemption, or chunked beside dec
 
 from __future__ import annotations
 
+import copy
 import json
 from dataclasses import dataclass
 from importlib import resources
@@ -207,3 +208,28 @@ def test_greedy_when_decode_rows_share_steps_with_prefill_chunks(case: Case) -> 
              and any(n > 1 and 0 < start < prompt_len[rid] for rid, start, n in rows)]
     assert mixed
     assert all(sum(n for _, _, n in rows) <= 48 for rows in recorder.steps)
+
+
+def test_bfloat16_logits_stay_near_transformers(case: Case) -> None:
+    """``--dtype bfloat16``: the same weights rounded to bf16, attention as bf16 GEMMs on CPUs
+    that have them (kernels.prefill_attention.matmul_attention). Not exact, so measured against
+    transformers' own bfloat16 run of the model: no further from the float32 oracle than twice
+    its error, and the argmax agrees about as often."""
+    llm = LLM(str(case.path), device="cpu", dtype="bfloat16", kv_cache_memory_bytes=POOL_BYTES)
+    recorder = StepRecorder(llm.engine)
+    prompt = case.prompts[-1]  # 300 tokens: three 128-row score tiles
+    llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    with torch.no_grad():
+        ours = llm.engine.runner.model.compute_logits(recorder.hidden[0]).float()
+    expected = hf_logits(case.hf_model, prompt)
+    hf_bf16 = hf_logits(copy.deepcopy(case.hf_model).to(torch.bfloat16), prompt)
+
+    def error(logits: torch.Tensor) -> tuple[float, float]:
+        return ((logits - expected).abs().max().item(),
+                (logits.argmax(-1) == expected.argmax(-1)).float().mean().item())
+
+    (our_error, our_agree), (hf_error, hf_agree) = error(ours), error(hf_bf16)
+    print(f"{case.arch}: max |bf16 - fp32| ours {our_error:.3f}, transformers {hf_error:.3f}; "
+          f"argmax agreement ours {our_agree:.3f}, transformers {hf_agree:.3f}")
+    assert our_error <= 2 * hf_error
+    assert our_agree >= hf_agree - 0.05

@@ -77,8 +77,12 @@ def test_bf16_decode_multiplies_in_bf16_and_matches_fp32(groups, shared_blocks, 
                                           0.125)
     widened = []
     original = torch.Tensor.float
-    monkeypatch.setattr(torch.Tensor, "float",
-                        lambda self, *a, **kw: widened.append(self.shape) or original(self, *a, **kw))
+
+    def widen(self, *args, **kwargs):
+        widened.append(self.shape)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "float", widen)
     actual = torch_decode_attention(query, kv_cache, block_tables, seq_lens, 0.125)
     assert widened == []
     assert actual.dtype == torch.bfloat16

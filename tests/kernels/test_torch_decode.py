@@ -64,8 +64,8 @@ def test_rows_whose_length_ends_on_a_shared_block_boundary():
 @pytest.mark.parametrize("groups,shared_blocks", [([1], 3), ([3, 1, 4], 2), ([2], 0)])
 def test_bf16_decode_multiplies_in_bf16_and_matches_fp32(groups, shared_blocks, make_pool,
                                                          monkeypatch):
-    """No fp32 copy of the pool: widening the shared prefix every layer cost more than the
-    products. Within bf16 rounding of the fp32 reference on the same inputs."""
+    """Every product in bf16, no fp32 copy of the pool: widening the shared prefix every layer
+    cost more than the products. Within bf16 rounding of the fp32 reference on the same inputs."""
     gen = torch.Generator().manual_seed(len(groups) * 10 + shared_blocks)
     kv_cache = make_pool(gen, 80, 16, 3, 64, "planes").to(torch.bfloat16)
     tables, lens = build_tables(gen, 80, 16, groups, shared_blocks)
@@ -75,15 +75,20 @@ def test_bf16_decode_multiplies_in_bf16_and_matches_fp32(groups, shared_blocks, 
     query = torch.randn(len(lens), 9, 64, generator=gen).to(torch.bfloat16)
     expected = reference_decode_attention(query.float(), kv_cache.float(), block_tables, seq_lens,
                                           0.125)
-    widened = []
-    original = torch.Tensor.float
+    products = []
+    original_bmm, original_einsum = torch.bmm, torch.einsum
 
-    def widen(self, *args, **kwargs):
-        widened.append(self.shape)
-        return original(self, *args, **kwargs)
+    def bmm(a, b, *args, **kwargs):
+        products.append((a.dtype, b.dtype))
+        return original_bmm(a, b, *args, **kwargs)
 
-    monkeypatch.setattr(torch.Tensor, "float", widen)
+    def einsum(equation, *operands):
+        products.append(tuple(op.dtype for op in operands))
+        return original_einsum(equation, *operands)
+
+    monkeypatch.setattr(torch, "bmm", bmm)
+    monkeypatch.setattr(torch, "einsum", einsum)
     actual = torch_decode_attention(query, kv_cache, block_tables, seq_lens, 0.125)
-    assert widened == []
+    assert products and all(dtypes == (torch.bfloat16, torch.bfloat16) for dtypes in products)
     assert actual.dtype == torch.bfloat16
     torch.testing.assert_close(actual.float(), expected, atol=2e-2, rtol=2e-2)

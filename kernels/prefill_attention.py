@@ -178,14 +178,16 @@ def matmul_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     keys before the first row (row ``i`` sees keys ``0..offset + i``; ``L == offset + q``), where
     a tile computes only the keys up to its last row. Scores are produced in the input dtype;
     softmax accumulates in fp32. Each GQA group's query heads are stacked into the rows of one
-    product with their KV head, read in place (strided).
+    product with their KV head.
     """
     num_rows, num_heads, head_dim = query.shape
     num_keys, num_kv_heads = keys.shape[0], keys.shape[1]
     group = num_heads // num_kv_heads
     q = (query * scale).view(num_rows, num_kv_heads, group, head_dim).transpose(0, 1)
-    keys_t = keys.permute(1, 2, 0)  # [Hkv, D, L]
-    values_h = values.transpose(0, 1)  # [Hkv, L, D]
+    # Head-major copies: oneDNN's bf16 products over the pool's interleaved heads ran 3x slower
+    # (0.17 vs 0.05 ms for 27 rows over 2,100 keys) than the copy costs (0.01 ms).
+    keys_t = keys.transpose(0, 1).contiguous().transpose(1, 2)  # [Hkv, D, L]
+    values_h = values.transpose(0, 1).contiguous()  # [Hkv, L, D]
     out = torch.empty_like(query)
     out_groups = out.view(num_rows, num_kv_heads, group, head_dim)
     for first in range(0, num_rows, MATMUL_TILE_ROWS):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from agentd.config import EngineConfig
+from agentd.kernels import matmul_dtype
 from agentd.model.llama import (
     LlamaModel,
     RotaryEmbedding,
@@ -97,5 +98,9 @@ def load_model(config: EngineConfig) -> LoadedModel:
     fingerprint = model_fingerprint(files, hf_config, tokenizer, dtype_name)
     logger.info("loaded %s (%s) on %s as %s%s", files.name, hf_config.model_type, device,
                 dtype_name, f", {num_packed} linear layers packed for oneDNN" if num_packed else "")
+    if config.dtype == "auto" and dtype == torch.float32 and matmul_dtype(
+            torch.bfloat16, device) == torch.bfloat16:
+        logger.info("this CPU has bfloat16 GEMMs: --dtype bfloat16 is faster (prefill 1.8x on "
+                    "a 2-core AMD EPYC), at the price of bf16 rounding in the outputs")
     return LoadedModel(files, hf_config, tokenizer, model, device, dtype, fingerprint,
                        eos_token_ids(hf_config, tokenizer, files))

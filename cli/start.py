@@ -63,7 +63,7 @@ def _option(name: str, **kwargs: Any) -> Any:
          type=click.Choice(["auto", "float32", "float16", "bfloat16"]),
          help="Weights, activations and KV cache. auto: float32 on CPU (exact against "
               "transformers), bfloat16 on CUDA. bfloat16 on CPUs with AVX512-BF16 or AMX: "
-              "faster (prefill 1.8x on a 2-core AMD EPYC), half the KV memory per token.")
+              "faster (prefill ~2x on a 2-core AMD EPYC), half the KV memory per token.")
 @_option("--attention-backend", default=_DEFAULTS["attention_backend"],
          type=click.Choice(["auto", "torch", "triton"]), help="Attention kernels.")
 @_option("--cpu-linear", default=_DEFAULTS["cpu_linear"],

@@ -100,7 +100,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
                 dtype_name, f", {num_packed} linear layers packed for oneDNN" if num_packed else "")
     if config.dtype == "auto" and dtype == torch.float32 and matmul_dtype(
             torch.bfloat16, device) == torch.bfloat16:
-        logger.info("this CPU has bfloat16 GEMMs: --dtype bfloat16 is faster (prefill 1.8x on "
+        logger.info("this CPU has bfloat16 GEMMs: --dtype bfloat16 is faster (prefill ~2x on "
                     "a 2-core AMD EPYC), at the price of bf16 rounding in the outputs")
     return LoadedModel(files, hf_config, tokenizer, model, device, dtype, fingerprint,
                        eos_token_ids(hf_config, tokenizer, files))

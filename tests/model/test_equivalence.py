@@ -233,3 +233,24 @@ def test_bfloat16_logits_stay_near_transformers(case: Case) -> None:
           f"argmax agreement ours {our_agree:.3f}, transformers {hf_agree:.3f}")
     assert our_error <= 2 * hf_error
     assert our_agree >= hf_agree - 0.05
+
+
+def test_bfloat16_serves_batches_chunks_and_preemption(case: Case) -> None:
+    """bf16 through every engine path at once: one batch of all prompts, 48-token steps (chunked
+    prefill beside decode rows) and a pool so small that requests are preempted."""
+    model = make_llm(case).engine.runner.model
+    num_blocks = 24
+    pool_bytes = num_blocks * ModelRunner.kv_bytes_per_block(model, BLOCK_SIZE, torch.bfloat16)
+    llm = LLM(str(case.path), device="cpu", dtype="bfloat16", kv_cache_memory_bytes=pool_bytes,
+              max_num_batched_tokens=48)
+    outputs = llm.generate(case.prompts, GREEDY)
+    stats = llm.engine.stats()
+    assert stats.num_preemptions > 0
+    assert [len(out.token_ids) for out in outputs] == [MAX_TOKENS] * len(case.prompts)
+    # bf16 rounding flips some greedy choices of these random models (whole 16-token outputs
+    # matched the fp32 oracle for only 1-4 of 9 prompts), but the first token, computed by one
+    # prefill, matched for 8-9 of 9 on every architecture.
+    first_agree = sum(out.token_ids[0] == expected[0]
+                      for out, expected in zip(outputs, case.expected, strict=True))
+    assert first_agree >= len(case.prompts) - 2
+    assert stats.num_blocks_used == 0

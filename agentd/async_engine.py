@@ -431,7 +431,8 @@ class AsyncEngine:
 
 def _check_references(engine: LLMEngine) -> None:
     """Raise AssertionError unless the pool is sound and each block's ref count equals the
-    number of its owners: live requests' block tables plus the pins holding it."""
+    number of its owners: live requests' block tables plus the pins holding it (full blocks
+    and tail blocks)."""
     kv_cache = engine.kv_cache
     pool = kv_cache.pool
     pool.check_integrity()
@@ -441,8 +442,11 @@ def _check_references(engine: LLMEngine) -> None:
             for block_id in kv_cache.block_table(request_id):
                 owners[block_id] += 1
     for pin in engine.pins.registry:
-        for block_id in pin.block_ids:
+        for block_id in [*pin.block_ids, *([pin.tail_block] if pin.tail_block is not None else [])]:
             owners[block_id] += 1
+    for pending in engine.pins.pending.values():  # a prefilled tail not registered yet
+        if pending.tail_block is not None:
+            owners[pending.tail_block] += 1
     for block_id, num_owners in enumerate(owners):
         ref_cnt = pool.ref_cnt(block_id)
         assert ref_cnt == num_owners, (

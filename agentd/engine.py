@@ -83,6 +83,7 @@ class LLMEngine:
         self.sampler = Sampler(self.loaded.device)
         self.pins = PinManager(self.kv_cache, self.tokenizer,
                                int(config.max_pinned_fraction * self.num_blocks))
+        self.scheduler.prefix_extension = self.pins.registry.tail_after
         self.pin_results: dict[str, PinResult] = {}  # finished pin prefills, by request id
         self.expired_pins: list[str] = []  # pins whose TTL lapsed, for the registry owner
         self._tracked: dict[str, _Tracked] = {}
@@ -179,7 +180,9 @@ class LLMEngine:
                   for rid in out.failed_ids]
         if out.empty:
             return deltas
+        self.runner.copy_kv(out.kv_copies)
         result = self.runner.execute(out.scheduled)
+        self.pins.keep_tails(out.scheduled)
         self._totals["steps"] += 1
         self._totals["model"] += result.num_tokens
         requests = [self.scheduler.requests[rid] for rid in result.request_ids]

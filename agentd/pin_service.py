@@ -47,15 +47,16 @@ class PinSpec:
                 "ttl_s": self.ttl_s, "created": self.created, "prefill_s": self.prefill_s}
 
 
-def pin_token_ids(tokenizer, system: str, tools: list[dict] | None, block_size: int) -> list[int]:
-    """The tokens every chat request with this system prompt and tools shares, in whole blocks."""
+def pin_token_ids(tokenizer, system: str, tools: list[dict] | None) -> list[int]:
+    """The tokens every chat request with this system prompt and tools shares: whole blocks
+    (cached and shared like any prefix), then the rest (the pin's tail, fewer than a block)."""
     renders = [
         render_chat(tokenizer, [{"role": "system", "content": system},
                                 {"role": "user", "content": text}], tools, None).prompt_token_ids
         for text in _PROBE_MESSAGES
     ]
     shared = min(common_prefix_len(renders[0], other) for other in renders[1:])
-    return renders[0][: shared // block_size * block_size]
+    return renders[0][:shared]
 
 
 class PinService:
@@ -84,8 +85,7 @@ class PinService:
         Raises PinError (with an HTTP status) when the name is taken, the budget is short or the
         prefix does not fit the context.
         """
-        token_ids = pin_token_ids(self.engine.tokenizer, spec.system, spec.tools,
-                                  self.block_size)
+        token_ids = pin_token_ids(self.engine.tokenizer, spec.system, spec.tools)
         if len(token_ids) >= self.engine.max_model_len:
             raise PinTooLongError(
                 f"pin {spec.name!r} is {len(token_ids)} tokens but the context (max_model_len) "
@@ -134,7 +134,8 @@ class PinService:
         return {
             "name": pin.name,
             "num_tokens": pin.num_tokens,
-            "num_blocks": pin.num_blocks,
+            "num_blocks": pin.num_blocks_held,
+            "tail_tokens": len(pin.tail_token_ids),
             "created": int(spec.created if spec else pin.created_s),
             "ttl": pin.ttl_s,
             "hits": pin.num_hits,
@@ -193,7 +194,9 @@ class PinService:
     def remove_stale_temp_files(self) -> list[Path]:
         """Delete ``.NAME.PID.tmp`` files (pins.json and KV snapshots being written) whose writer
         is gone: a crash mid-write leaves them behind, and nothing else ever removes them."""
-        removed = []
+        removed: list[Path] = []
+        if self.state_dir is None:  # nothing is persisted, so nothing was left half-written
+            return removed
         for tmp in [*self.state_dir.glob(".*.tmp"), *self.state_dir.glob("kv/*/.*.tmp")]:
             pid = tmp.name.rsplit(".", 2)[-2]
             if not pid.isdigit() or _alive(int(pid)):
@@ -226,8 +229,7 @@ class PinService:
         return report
 
     async def _restore_one(self, spec: PinSpec) -> dict[str, Any]:
-        token_ids = pin_token_ids(self.engine.tokenizer, spec.system, spec.tools,
-                                  self.block_size)
+        token_ids = pin_token_ids(self.engine.tokenizer, spec.system, spec.tools)
         path = self._snapshot_path(spec.name)
         if path is not None and path.exists():
             meta = {"system_chars": len(spec.system), "num_tools": len(spec.tools or [])}

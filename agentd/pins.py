@@ -20,6 +20,7 @@ import torch
 
 from agentd.cache import KVCacheManager, Pin, PinError, PinExistsError, PinRegistry
 from agentd.request import Request
+from agentd.scheduler import ScheduledRequest
 
 _NEAR_MISS_KEEP = 256
 _NEAR_MISS_RECENT = 10  # how many of the latest near misses observers see
@@ -89,10 +90,11 @@ class PinSummary:
 @dataclass
 class PendingPin:
     name: str
-    token_ids: list[int]
+    token_ids: list[int]  # whole blocks, then the tail (fewer than a block)
     ttl_s: float | None
     meta: dict[str, Any]
     started_s: float
+    tail_block: int | None = None  # once its KV is computed: the block, with our reference
 
 
 @dataclass
@@ -128,7 +130,25 @@ class PinManager:
                            "tokens): nothing to pin")
         cached = self.kv_cache.find_cached_prefix(token_ids)
         already = sum(1 for b in cached.block_ids if self.registry.holds(b))
-        self.registry.check_can_add(name, num_blocks=num_blocks - already)
+        has_tail = len(token_ids) % self.kv_cache.block_size != 0
+        self.registry.check_can_add(name, num_blocks=num_blocks + has_tail - already)
+
+    def keep_tails(self, scheduled: list[ScheduledRequest]) -> None:
+        """After a forward: a pin prefill that just computed its last tokens keeps a reference
+        on its partial last block (its request frees its own when it finishes), for the pin."""
+        for item in scheduled:
+            pending = self.pending.get(item.request_id)
+            if pending is None or not item.sample:
+                continue
+            num_full, num_tail = divmod(len(pending.token_ids), self.kv_cache.block_size)
+            if num_tail and pending.tail_block is None:
+                pending.tail_block = item.block_table[num_full]
+                self.kv_cache.touch([pending.tail_block])
+
+    def _drop_tail(self, pending: PendingPin) -> None:
+        if pending.tail_block is not None:
+            self.kv_cache.free_blocks([pending.tail_block])
+            pending.tail_block = None
 
     def complete(self, request_id: str, failed: str | bool = False) -> PinResult | None:
         """Called when a pin's prefill request finishes: take references on its blocks."""
@@ -136,6 +156,7 @@ class PinManager:
         if pending is None:
             return None
         if failed:
+            self._drop_tail(pending)
             reason = failed if isinstance(failed, str) else "the prefill was aborted"
             return PinResult(None, RuntimeError(reason), time.monotonic() - pending.started_s,
                              restored=False)
@@ -146,16 +167,20 @@ class PinManager:
         num_blocks = len(pending.token_ids) // self.kv_cache.block_size
         elapsed = time.monotonic() - pending.started_s
         if len(cached.block_ids) < num_blocks:
+            self._drop_tail(pending)
             return PinResult(None, RuntimeError("the pin's blocks were not all cached after its "
                                                 "prefill (is prefix caching disabled?)"),
                              elapsed, restored)
+        full = num_blocks * self.kv_cache.block_size
+        tail = pending.token_ids[full:] if pending.tail_block is not None else []
         try:
-            pin = self.registry.add(pending.name, pending.token_ids[: num_blocks *
-                                                                    self.kv_cache.block_size],
+            pin = self.registry.add(pending.name, pending.token_ids[:full],
                                     cached.block_ids, cached.block_hashes[:num_blocks],
                                     now_s=time.monotonic(), created_s=time.time(),
-                                    ttl_s=pending.ttl_s, meta=pending.meta)
+                                    ttl_s=pending.ttl_s, meta=pending.meta,
+                                    tail_token_ids=tail, tail_block=pending.tail_block)
         except Exception as exc:
+            self._drop_tail(pending)
             return PinResult(None, exc, elapsed, restored)
         pin.meta["prefill_s" if not restored else "restore_s"] = elapsed
         return PinResult(pin, None, elapsed, restored)
@@ -172,6 +197,11 @@ class PinManager:
         for saved, layer in zip(kv, kv_caches, strict=True):
             saved.copy_(layer.index_select(0, index))
         payload = {"fingerprint": fingerprint, "token_ids": pin.token_ids, "kv": kv}
+        if pin.tail_block is not None:  # [layers, 2, tail tokens, Hkv, D]
+            num_tail = len(pin.tail_token_ids)
+            payload["tail_token_ids"] = pin.tail_token_ids
+            payload["tail_kv"] = torch.stack([layer[pin.tail_block, :, :num_tail].cpu()
+                                              for layer in kv_caches])
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         with open(tmp, "wb") as f:
@@ -196,17 +226,29 @@ class PinManager:
                 or kv is None or tuple(kv.shape[2:]) != tuple(kv_caches[0].shape[1:])
                 or kv.shape[0] != len(kv_caches) or kv.shape[1] != num_blocks):
             return None
-        self.registry.check_can_add(pending.name, num_blocks=num_blocks)
+        tail = pending.token_ids[num_blocks * block_size:]
+        tail_kv = payload.get("tail_kv")
+        if not tail or payload.get("tail_token_ids") != tail or tail_kv is None or tuple(
+                tail_kv.shape) != (len(kv_caches), 2, len(tail), *kv_caches[0].shape[3:]):
+            tail, tail_kv = [], None  # an older snapshot: the pin goes without its tail
+            pending.token_ids = pending.token_ids[:num_blocks * block_size]
+        self.registry.check_can_add(pending.name, num_blocks=num_blocks + bool(tail))
         request_id = f"pin-restore-{pending.name}"
         cached = self.kv_cache.find_cached_prefix(pending.token_ids)
-        if self.kv_cache.allocate(request_id, num_blocks * block_size, cached) is None:
+        if self.kv_cache.allocate(request_id, len(pending.token_ids), cached) is None:
             return None
         table = self.kv_cache.block_table(request_id)
         num_reused = len(cached.block_ids)
-        new_ids = torch.tensor(table[num_reused:], dtype=torch.long)
+        new_ids = torch.tensor(table[num_reused:num_blocks], dtype=torch.long)
         for layer, saved in zip(kv_caches, kv, strict=True):
             layer.index_copy_(0, new_ids.to(layer.device),
                               saved[num_reused:].to(device=layer.device, dtype=layer.dtype))
+        if tail_kv is not None:
+            pending.tail_block = table[num_blocks]
+            for layer, saved in zip(kv_caches, tail_kv, strict=True):
+                layer[pending.tail_block, :, :len(tail)] = saved.to(device=layer.device,
+                                                                    dtype=layer.dtype)
+            self.kv_cache.touch([pending.tail_block])
         self.kv_cache.cache_blocks(request_id, pending.token_ids, num_blocks * block_size)
         result = self._register(pending, restored=True)
         self.kv_cache.free(request_id)  # the pin's own references keep the blocks
@@ -218,8 +260,9 @@ class PinManager:
         pins, a small counter)."""
         if not len(self.registry) and not self.near_misses and not expired:
             return _EMPTY_SUMMARY
-        pins = tuple(PinStat(p.name, p.num_tokens, p.num_blocks, p.num_hits, p.num_tokens_served,
-                             p.ttl_s, p.last_hit_s, p.created_s) for p in self.registry)
+        pins = tuple(PinStat(p.name, p.num_tokens, p.num_blocks_held, p.num_hits,
+                             p.num_tokens_served, p.ttl_s, p.last_hit_s, p.created_s)
+                     for p in self.registry)
         counts = tuple((pin, cause, n) for (pin, cause), n in self.near_miss_counts.most_common())
         recent = tuple(self.near_misses)[-_NEAR_MISS_RECENT:]
         return PinSummary(pins, counts, recent, sum(self.near_miss_counts.values()), expired)
@@ -252,11 +295,12 @@ class PinManager:
         start = num_equal * block_size
         index = start
         tokens = request.all_token_ids
-        while index < min(len(tokens), pin.num_tokens) and tokens[index] == pin.token_ids[index]:
+        pin_tokens = pin.all_token_ids
+        while index < min(len(tokens), len(pin_tokens)) and tokens[index] == pin_tokens[index]:
             index += 1
         if index >= pin.num_tokens:
             return  # the request is simply shorter than the pin... or salted differently
-        pin_text = self._context(pin.token_ids, index)
+        pin_text = self._context(pin_tokens, index)
         request_text = self._context(tokens, index)
         cause = guess_cause(pin_text, request_text)
         self.near_misses.append(NearMiss(pin.name, request.request_id, index, pin.num_tokens,

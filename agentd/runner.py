@@ -13,7 +13,7 @@ import torch
 
 from agentd.kernels import AttentionBackend, attention_step
 from agentd.model.llama import AttentionMetadata, LlamaModel, release_free_memory
-from agentd.scheduler import ScheduledRequest
+from agentd.scheduler import KVCopy, ScheduledRequest
 
 TRIM_AFTER_TOKENS = 512  # such a step takes >= 0.3 s on CPU; trimming the heap takes ~4 ms
 
@@ -44,6 +44,13 @@ class ModelRunner:
         dims = model.dims
         elem_bytes = torch.empty((), dtype=dtype).element_size()
         return dims.num_layers * 2 * block_size * dims.num_kv_heads * dims.head_dim * elem_bytes
+
+    @torch.inference_mode()
+    def copy_kv(self, copies: list[KVCopy]) -> None:
+        """Copy the first slots of blocks into others, in every layer (before a forward)."""
+        for copy in copies:
+            for kv in self.kv_caches:
+                kv[copy.dst, :, :copy.num_slots] = kv[copy.src, :, :copy.num_slots]
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> StepResult:

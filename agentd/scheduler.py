@@ -15,11 +15,24 @@ a request that cannot fit even alone in the pool is finished with reason "length
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from agentd.cache import KVCacheManager
+from agentd.cache import BlockHash, KVCacheManager
 from agentd.request import Request, RequestStatus
+
+# (a request's cached full-block chain, the tokens after it) -> (block, n): the first n of those
+# tokens already have KV in slots 0..n-1 of that block (a pin's partial last block).
+PrefixExtension = Callable[[Sequence[BlockHash], Sequence[int]], "tuple[int, int] | None"]
+
+
+@dataclass(frozen=True)
+class KVCopy:
+    """Before the step's forward: copy slots ``0..num_slots-1`` of block ``src`` to ``dst``."""
+
+    src: int
+    dst: int
+    num_slots: int
 
 
 @dataclass(frozen=True)
@@ -37,6 +50,7 @@ class SchedulerOutput:
     preempted_ids: list[str] = field(default_factory=list)
     failed_ids: list[str] = field(default_factory=list)  # finished: they can never fit
     admitted_ids: list[str] = field(default_factory=list)  # first admissions this step
+    kv_copies: list[KVCopy] = field(default_factory=list)  # run before the forward
 
     @property
     def num_batched_tokens(self) -> int:
@@ -66,6 +80,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
+        # Extends a cached prefix past its last full block (the engine's pins); None: never.
+        self.prefix_extension: PrefixExtension | None = None
 
     def add_request(self, request: Request) -> None:
         if request.num_prompt_tokens == 0:
@@ -130,21 +146,31 @@ class Scheduler:
         cached = self.kv_cache.find_cached_prefix(
             request.all_token_ids, request.cache_salt, max_num_tokens=request.num_tokens - 1
         )
-        num_new = min(request.num_tokens - cached.num_tokens, budget)
-        if self.kv_cache.allocate(request.request_id, cached.num_tokens + num_new, cached) is None:
+        extension = None
+        if self.prefix_extension is not None and cached.block_ids:
+            # at least the last token is always computed, for its logits
+            extension = self.prefix_extension(
+                cached.block_hashes[:len(cached.block_ids)],
+                request.all_token_ids[cached.num_tokens:request.num_tokens - 1])
+        num_cached = cached.num_tokens + (extension[1] if extension else 0)
+        num_new = min(request.num_tokens - num_cached, budget)
+        if self.kv_cache.allocate(request.request_id, num_cached + num_new, cached) is None:
             if not self.running:  # an empty engine cannot hold it: it never will
                 self.waiting.popleft()
                 self._finish(request, RequestStatus.FINISHED_LENGTH)
                 out.failed_ids.append(request.request_id)
             return None
         self.waiting.popleft()
-        request.num_computed_tokens = cached.num_tokens
+        if extension is not None:
+            first_new = self.kv_cache.block_table(request.request_id)[len(cached.block_ids)]
+            out.kv_copies.append(KVCopy(extension[0], first_new, extension[1]))
+        request.num_computed_tokens = num_cached
         if request.num_cached_tokens is None:
-            request.num_cached_tokens = cached.num_tokens
+            request.num_cached_tokens = num_cached
             request.prefix_block_hashes = cached.block_hashes
             out.admitted_ids.append(request.request_id)
             self.stats.prefix_cache_queries += request.num_tokens
-            self.stats.prefix_cache_hits += cached.num_tokens
+            self.stats.prefix_cache_hits += num_cached
         request.status = RequestStatus.RUNNING
         self.running.append(request)
         return num_new

@@ -55,14 +55,28 @@ class Pin:
     num_hits: int = 0
     num_tokens_served: int = 0
     meta: dict[str, Any] = field(default_factory=dict)  # opaque to the cache (source text...)
+    # The prefix's last partial block: its tokens and the block holding their KV (the pin holds
+    # a reference on it; it is never in the prefix cache, which keeps full blocks only).
+    tail_token_ids: list[int] = field(default_factory=list)
+    tail_block: int | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.token_ids + self.tail_token_ids
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Every token the pin serves: its full blocks' and its tail's."""
+        return len(self.token_ids) + len(self.tail_token_ids)
 
     @property
     def num_blocks(self) -> int:
+        """Full blocks (the ones in the prefix cache)."""
         return len(self.block_ids)
+
+    @property
+    def num_blocks_held(self) -> int:
+        return len(self.block_ids) + (self.tail_block is not None)
 
 
 class PinRegistry:
@@ -113,8 +127,13 @@ class PinRegistry:
 
     def add(self, name: str, token_ids: Sequence[int], block_ids: Sequence[int],
             block_hashes: Sequence[BlockHash], now_s: float, created_s: float,
-            ttl_s: float | None = None, meta: dict[str, Any] | None = None) -> Pin:
+            ttl_s: float | None = None, meta: dict[str, Any] | None = None,
+            tail_token_ids: Sequence[int] = (), tail_block: int | None = None) -> Pin:
         """Pin ``block_ids`` (the full blocks of ``token_ids``) under ``name``.
+
+        ``tail_block`` holds the KV of ``tail_token_ids`` (fewer than a block), the tokens that
+        follow; the caller took a reference on it, which the pin adopts (and drops on removal).
+        On a refusal the reference stays the caller's.
 
         Returns:
             The new pin. Raises PinError (nothing changes) on a taken name or budget overrun.
@@ -122,25 +141,55 @@ class PinRegistry:
         if len(block_ids) != len(block_hashes) or len(token_ids) != len(block_ids) * (
                 self.kv_cache.block_size):
             raise ValueError("a pin covers whole blocks: token, block and hash counts disagree")
-        self.check_can_add(name, block_ids)
+        if (tail_block is None) != (not tail_token_ids) or len(tail_token_ids) >= (
+                self.kv_cache.block_size):
+            raise ValueError("a pin's tail is a partial block: fewer tokens than a block, and "
+                             "a block exactly when there are tokens")
+        held = [*block_ids, *([tail_block] if tail_block is not None else [])]
+        self.check_can_add(name, held)
         self.kv_cache.touch(block_ids)
-        for block_id in block_ids:
+        for block_id in held:
             self._holders[block_id] = self._holders.get(block_id, 0) + 1
         pin = Pin(name, list(token_ids), list(block_ids), list(block_hashes), created_s, ttl_s,
-                  now_s, meta=dict(meta or {}))
+                  now_s, meta=dict(meta or {}), tail_token_ids=list(tail_token_ids),
+                  tail_block=tail_block)
         self._pins[name] = pin
         return pin
 
     def remove(self, name: str) -> Pin:
-        """Unpin: drop the pin's references; its blocks become ordinary cached (LRU) blocks."""
+        """Unpin: drop the pin's references; its full blocks become ordinary cached (LRU)
+        blocks, its tail block a free one."""
         pin = self.get(name)
         del self._pins[name]
+        held = list(pin.block_ids)
+        if pin.tail_block is not None:
+            self.kv_cache.free_blocks([pin.tail_block])
+            held.append(pin.tail_block)
         self.kv_cache.free_blocks(pin.block_ids)
-        for block_id in pin.block_ids:
+        for block_id in held:
             self._holders[block_id] -= 1
             if not self._holders[block_id]:
                 del self._holders[block_id]
         return pin
+
+    def tail_after(self, block_hashes: Sequence[BlockHash],
+                   next_tokens: Sequence[int]) -> tuple[int, int] | None:
+        """``(tail block, tokens)`` of the pin whose full blocks are exactly ``block_hashes`` (a
+        request's cached chain) and whose tail starts ``next_tokens``; the longest match."""
+        best: tuple[int, int] | None = None
+        n = len(block_hashes)
+        for pin in self._pins.values():
+            if pin.tail_block is None or pin.num_blocks != n or pin.block_hashes[-1] != (
+                    block_hashes[-1]):
+                continue
+            num_equal = 0
+            for ours, theirs in zip(pin.tail_token_ids, next_tokens, strict=False):
+                if ours != theirs:
+                    break
+                num_equal += 1
+            if num_equal and (best is None or num_equal > best[1]):
+                best = (pin.tail_block, num_equal)
+        return best
 
     def match(self, block_hashes: Sequence[BlockHash]) -> Pin | None:
         """The longest pin whose whole prefix starts ``block_hashes`` (a request's chain)."""

@@ -46,8 +46,9 @@ class PinCreateRequest(msgspec.Struct, kw_only=True):
 
 class PinInfo(msgspec.Struct, kw_only=True):
     name: str
-    num_tokens: int
-    num_blocks: int
+    num_tokens: int  # every token the pin serves, its tail's included
+    num_blocks: int  # blocks it holds: full ones, then the partial tail block if any
+    tail_tokens: int = 0  # tokens past its last full block, served from its tail block
     created: int
     ttl: float | None
     hits: int

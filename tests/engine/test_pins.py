@@ -10,12 +10,14 @@ import time
 from importlib import resources
 
 import pytest
+import torch
 
 from agentd.async_engine import AsyncEngine
 from agentd.cache import PinBudgetError, PinExistsError
 from agentd.chat import render_chat
 from agentd.config import EngineConfig
-from agentd.pin_service import PinService, PinSpec
+from agentd.llm import LLM
+from agentd.pin_service import PinService, PinSpec, pin_token_ids
 from agentd.sampling_params import SamplingParams
 
 BLOCK_BYTES_TINY_LLAMA = 2 * 2 * 16 * 2 * 16 * 4  # layers * K/V * block * kv heads * dim * fp32
@@ -61,7 +63,9 @@ def test_pin_hits_for_any_user_message(tiny_llama, research, tmp_path):
         try:
             service = PinService(engine, tmp_path)
             info = await service.add(PinSpec("research", research["system"], research["tools"]))
-            assert info["num_tokens"] % 16 == 0 and info["num_blocks"] == info["num_tokens"] // 16
+            # whole blocks, then a partial tail block when the shared prefix ends inside one
+            assert info["num_blocks"] == -(-info["num_tokens"] // 16)
+            assert info["tail_tokens"] == info["num_tokens"] % 16
             assert info["num_tokens"] > 1500
             for turn in research["turns"][:4]:
                 last, _ = await chat(engine, research["system"], turn, research["tools"])
@@ -149,7 +153,9 @@ def test_ttl_decays_to_ordinary_lru_blocks(tiny_llama, research, tmp_path):
             assert await service.list() == []
             stats = engine.stats()
             assert stats.num_blocks_pinned == 0 and stats.num_blocks_used == 0
-            assert stats.num_blocks_cached >= info["num_blocks"]  # decayed, not dropped
+            # decayed, not dropped: its full blocks stay cached (a partial tail block is never
+            # cached; it is freed)
+            assert stats.num_blocks_cached >= info["num_blocks"] - (info["tail_tokens"] > 0)
             saved = json.loads((tmp_path / "pins.json").read_text())
             assert saved["pins"] == []
         finally:
@@ -311,3 +317,126 @@ def test_stale_temporary_files_of_dead_writers_are_removed(tmp_path) -> None:
     assert sorted(service.remove_stale_temp_files()) == sorted(stale)
     assert all(p.exists() for p in live + kept)
     assert not any(p.exists() for p in stale)
+
+
+def system_with_tail(engine: AsyncEngine | LLM, system: str) -> tuple[str, int]:
+    """``system`` cut at a line end such that the pin's shared prefix ends inside a block."""
+    lines = system.split("\n")
+    for end in range(len(lines), 0, -1):
+        text = "\n".join(lines[:end])
+        tail = len(pin_token_ids(engine.tokenizer, text, None)) % 16
+        if tail > 1:
+            return text, tail
+    raise AssertionError("no cut of the system text leaves a partial block")
+
+
+def test_a_pins_partial_last_block_is_served_too(tiny_llama, research, tmp_path):
+    """The tokens after a pin's last full block (where user turns start to differ) are served
+    from the pin's own tail block: copied into the request's first block, not recomputed, with
+    the same outputs as a run without any cache; unpinning frees that block."""
+    question = research["turns"][2]
+
+    async def run():
+        engine = make_engine(tiny_llama)
+        try:
+            system, tail = system_with_tail(engine, research["system"])
+            service = PinService(engine, tmp_path)
+            info = await service.add(PinSpec("research", system, None))
+            assert info["tail_tokens"] == tail and info["num_tokens"] % 16 == tail
+            assert info["num_blocks"] == info["num_tokens"] // 16 + 1
+            last, tokens = await chat(engine, system, question, max_tokens=8)
+            assert last.num_cached_tokens == info["num_tokens"]  # the tail too
+            again, _ = await chat(engine, system, research["turns"][3], max_tokens=2)
+            assert again.num_cached_tokens == info["num_tokens"]
+            [listed] = await service.list()
+            assert listed["tokens_served"] == 2 * info["num_tokens"]
+            assert (await engine.check_integrity()).ok
+            await service.remove("research")
+            stats = engine.stats()
+            assert stats.num_blocks_used == 0 and stats.num_blocks_pinned == 0
+            assert (await engine.check_integrity()).ok
+            return system, tokens
+        finally:
+            engine.shutdown()
+
+    async def uncached(system):
+        engine = make_engine(tiny_llama, enable_prefix_caching=False)
+        try:
+            return (await chat(engine, system, question, max_tokens=8))[1]
+        finally:
+            engine.shutdown()
+
+    system, tokens = asyncio.run(run())
+    assert tokens == asyncio.run(uncached(system))
+
+
+def test_a_pins_tail_survives_a_restart(tiny_llama, research, tmp_path):
+    question = research["turns"][4]
+
+    async def first_life():
+        engine = make_engine(tiny_llama)
+        try:
+            system, _ = system_with_tail(engine, research["system"])
+            return system, await PinService(engine, tmp_path).add(PinSpec("r", system, None))
+        finally:
+            engine.shutdown()
+
+    async def second_life(system):
+        engine = make_engine(tiny_llama)
+        try:
+            [entry] = await PinService(engine, tmp_path).restore_all()
+            assert entry["source"] == "snapshot"
+            last, tokens = await chat(engine, system, question, max_tokens=8)
+            assert (await engine.check_integrity()).ok
+            return last.num_cached_tokens, tokens
+        finally:
+            engine.shutdown()
+
+    async def uncached(system):
+        engine = make_engine(tiny_llama, enable_prefix_caching=False)
+        try:
+            return (await chat(engine, system, question, max_tokens=8))[1]
+        finally:
+            engine.shutdown()
+
+    system, info = asyncio.run(first_life())
+    assert info["tail_tokens"] > 0
+    num_cached, tokens = asyncio.run(second_life(system))
+    assert num_cached == info["num_tokens"]
+    assert tokens == asyncio.run(uncached(system))
+
+
+def test_a_pins_tail_gives_the_logits_of_a_full_recompute(tiny_llama, research):
+    """The copied tail KV is the KV the request would have computed: its first token's logits
+    match a run without any cache to rounding."""
+    def first_logits(llm: LLM, prompt: list[int]):
+        captured = []
+        execute = llm.engine.runner.execute
+
+        def recording(scheduled):
+            result = execute(scheduled)
+            captured.append(result.logits)
+            return result
+
+        llm.engine.runner.execute = recording
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1))[0]
+        return captured[0][0], out.num_cached_tokens
+
+    pinned = LLM(str(tiny_llama), device="cpu", dtype="float32",
+                 kv_cache_memory_bytes=256 * BLOCK_BYTES_TINY_LLAMA)
+    system, tail = system_with_tail(pinned, research["system"])
+    pin_ids = pin_token_ids(pinned.tokenizer, system, None)
+    pinned.engine.add_pin("p", pin_ids)
+    while pinned.engine.has_unfinished_requests():
+        pinned.engine.step()
+    assert pinned.engine.pins.registry.get("p").tail_token_ids == pin_ids[-tail:]
+    messages = [{"role": "system", "content": system},
+                {"role": "user", "content": research["turns"][6]}]
+    prompt = render_chat(pinned.tokenizer, messages, None, None).prompt_token_ids
+    logits, num_cached = first_logits(pinned, prompt)
+    assert num_cached == len(pin_ids)
+    plain = LLM(str(tiny_llama), device="cpu", dtype="float32", enable_prefix_caching=False,
+                kv_cache_memory_bytes=256 * BLOCK_BYTES_TINY_LLAMA)
+    expected, none_cached = first_logits(plain, prompt)
+    assert none_cached == 0
+    torch.testing.assert_close(logits, expected, atol=5e-5, rtol=0)

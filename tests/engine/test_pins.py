@@ -330,6 +330,18 @@ def system_with_tail(engine: AsyncEngine | LLM, system: str) -> tuple[str, int]:
     raise AssertionError("no cut of the system text leaves a partial block")
 
 
+def uncached_tokens(path, system: str, question: str) -> list[int]:
+    """8 greedy tokens from an engine without a prefix cache: what a pin must not change."""
+    async def run():
+        engine = make_engine(path, enable_prefix_caching=False)
+        try:
+            return (await chat(engine, system, question, max_tokens=8))[1]
+        finally:
+            engine.shutdown()
+
+    return asyncio.run(run())
+
+
 def test_a_pins_partial_last_block_is_served_too(tiny_llama, research, tmp_path):
     """The tokens after a pin's last full block (where user turns start to differ) are served
     from the pin's own tail block: copied into the request's first block, not recomputed, with
@@ -359,15 +371,8 @@ def test_a_pins_partial_last_block_is_served_too(tiny_llama, research, tmp_path)
         finally:
             engine.shutdown()
 
-    async def uncached(system):
-        engine = make_engine(tiny_llama, enable_prefix_caching=False)
-        try:
-            return (await chat(engine, system, question, max_tokens=8))[1]
-        finally:
-            engine.shutdown()
-
     system, tokens = asyncio.run(run())
-    assert tokens == asyncio.run(uncached(system))
+    assert tokens == uncached_tokens(tiny_llama, system, question)
 
 
 def test_a_pins_tail_survives_a_restart(tiny_llama, research, tmp_path):
@@ -392,18 +397,11 @@ def test_a_pins_tail_survives_a_restart(tiny_llama, research, tmp_path):
         finally:
             engine.shutdown()
 
-    async def uncached(system):
-        engine = make_engine(tiny_llama, enable_prefix_caching=False)
-        try:
-            return (await chat(engine, system, question, max_tokens=8))[1]
-        finally:
-            engine.shutdown()
-
     system, info = asyncio.run(first_life())
     assert info["tail_tokens"] > 0
     num_cached, tokens = asyncio.run(second_life(system))
     assert num_cached == info["num_tokens"]
-    assert tokens == asyncio.run(uncached(system))
+    assert tokens == uncached_tokens(tiny_llama, system, question)
 
 
 def test_a_pins_tail_gives_the_logits_of_a_full_recompute(tiny_llama, research):

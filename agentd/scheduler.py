@@ -4,7 +4,9 @@ Policy: first come, first served, running requests before waiting ones. Each ste
 request gets its next tokens (one when decoding, the rest of its prompt up to the token budget
 when prefilling in chunks); then waiting requests are admitted in order while the token budget
 (``max_num_batched_tokens``), ``max_num_seqs`` and the block pool allow. Admission first asks the
-cache manager for the longest cached prefix, so only the uncached tail is prefilled.
+cache manager for the longest cached prefix, so only the uncached tail is prefilled; a pin's
+partial last block extends that prefix (``prefix_extension``): its slots are copied into the
+request's first new block before the step's forward (``SchedulerOutput.kv_copies``).
 
 Preemption rule: when a running request cannot get the blocks it needs, the most recently admitted
 running request is preempted: its blocks are freed (full ones stay cached) and it returns to the

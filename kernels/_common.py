@@ -143,6 +143,14 @@ def matmul_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:
     return torch.float32
 
 
+def heads_first(tokens: torch.Tensor) -> torch.Tensor:
+    """``[L, Hkv, D]`` as ``[Hkv, L, D]``: a view in fp32 (MKL reads the pool's interleaved
+    heads in place), a contiguous copy otherwise (oneDNN's bf16 products over interleaved heads
+    ran 3x slower: 0.17 vs 0.05 ms for 27 rows over 2,100 keys, the copy 0.01 ms)."""
+    heads = tokens.transpose(0, 1)
+    return heads if tokens.dtype == torch.float32 else heads.contiguous()
+
+
 @functools.cache
 def _bf16_gemm() -> bool:
     try:

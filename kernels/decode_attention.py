@@ -17,6 +17,7 @@ from agentd.kernels._common import (
     check_attention_inputs,
     check_index,
     dot_dtype,
+    heads_first,
     jit,
     matmul_dtype,
     next_pow2,
@@ -172,10 +173,9 @@ def _grouped_decode(query: torch.Tensor, kv_cache: torch.Tensor, group: _DecodeG
     work = group.tail_bias.dtype  # the plan's matmul dtype
     q = query.to(work).view(num_rows, num_kv_heads, group_size, head_dim)
     # The shared prefix as one batched product per KV head (an einsum here copied the prefix's
-    # keys and values every layer: ~6 of a 29 ms decode step). fp32 (MKL) reads the pool's
-    # interleaved heads in place; bf16 (oneDNN) was 3x slower on them than on a head-major copy.
+    # keys and values every layer: ~6 of a 29 ms decode step).
     q_heads = q.permute(1, 0, 2, 3).reshape(num_kv_heads, num_rows * group_size, head_dim)
-    k_shared = _heads_first(take_blocks(kv_cache, 0, group.shared).to(work))  # [Hkv, L, D]
+    k_shared = heads_first(take_blocks(kv_cache, 0, group.shared).to(work))  # [Hkv, L, D]
     scores_shared = torch.bmm(q_heads, k_shared.transpose(1, 2)).view(
         num_kv_heads, num_rows, group_size, -1).permute(1, 0, 2, 3)  # [R, Hkv, g, L]
     k_tail = take_blocks(kv_cache, 0, group.tail_blocks).to(work).view(
@@ -186,18 +186,12 @@ def _grouped_decode(query: torch.Tensor, kv_cache: torch.Tensor, group: _DecodeG
         num_rows, -1, num_kv_heads, head_dim)
     out = torch.einsum("rkgl,rlkd->rkgd", probs[..., group.shared_len:], v_tail)
     if group.shared_len:
-        v_shared = _heads_first(take_blocks(kv_cache, 1, group.shared).to(work))
+        v_shared = heads_first(take_blocks(kv_cache, 1, group.shared).to(work))
         p_heads = probs[..., :group.shared_len].permute(1, 0, 2, 3).reshape(
             num_kv_heads, num_rows * group_size, group.shared_len)
         out = out + torch.bmm(p_heads, v_shared).view(
             num_kv_heads, num_rows, group_size, head_dim).permute(1, 0, 2, 3)
     return out.reshape(num_rows, num_heads, head_dim).to(query.dtype)
-
-
-def _heads_first(tokens: torch.Tensor) -> torch.Tensor:
-    """``[L, Hkv, D]`` as ``[Hkv, L, D]``: a view in fp32, a contiguous copy otherwise."""
-    heads = tokens.transpose(0, 1)
-    return heads if tokens.dtype == torch.float32 else heads.contiguous()
 
 
 # ---------------------------------------------------------------------------------------------

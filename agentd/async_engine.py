@@ -442,7 +442,7 @@ def _check_references(engine: LLMEngine) -> None:
             for block_id in kv_cache.block_table(request_id):
                 owners[block_id] += 1
     for pin in engine.pins.registry:
-        for block_id in [*pin.block_ids, *([pin.tail_block] if pin.tail_block is not None else [])]:
+        for block_id in pin.held_block_ids:
             owners[block_id] += 1
     for pending in engine.pins.pending.values():  # a prefilled tail not registered yet
         if pending.tail_block is not None:

@@ -83,7 +83,7 @@ class LLMEngine:
         self.sampler = Sampler(self.loaded.device)
         self.pins = PinManager(self.kv_cache, self.tokenizer,
                                int(config.max_pinned_fraction * self.num_blocks))
-        self.scheduler.prefix_extension = self.pins.registry.tail_after
+        self.scheduler.prefix_extension = self.pins.tail_after
         self.pin_results: dict[str, PinResult] = {}  # finished pin prefills, by request id
         self.expired_pins: list[str] = []  # pins whose TTL lapsed, for the registry owner
         self._tracked: dict[str, _Tracked] = {}

@@ -12,13 +12,15 @@ import os
 import re
 import time
 from collections import Counter, deque
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from agentd.cache import KVCacheManager, Pin, PinError, PinExistsError, PinRegistry
+from agentd.cache import BlockHash, KVCacheManager, Pin, PinError, PinExistsError, PinRegistry
+from agentd.chat import common_prefix_len
 from agentd.request import Request
 from agentd.scheduler import ScheduledRequest
 
@@ -144,6 +146,21 @@ class PinManager:
             if num_tail and pending.tail_block is None:
                 pending.tail_block = item.block_table[num_full]
                 self.kv_cache.touch([pending.tail_block])
+
+    def tail_after(self, block_hashes: Sequence[BlockHash],
+                   next_tokens: list[int]) -> tuple[int, int] | None:
+        """``(tail block, tokens)`` of the pin whose full blocks are exactly ``block_hashes`` (a
+        request's cached chain) and whose tail starts ``next_tokens``; the longest match. The
+        scheduler's ``prefix_extension``."""
+        best: tuple[int, int] | None = None
+        for pin in self.registry:
+            if pin.tail_block is None or pin.num_blocks != len(block_hashes) or (
+                    pin.block_hashes[-1] != block_hashes[-1]):
+                continue
+            num_equal = common_prefix_len(pin.tail_token_ids, next_tokens)
+            if num_equal and (best is None or num_equal > best[1]):
+                best = (pin.tail_block, num_equal)
+        return best
 
     def _drop_tail(self, pending: PendingPin) -> None:
         if pending.tail_block is not None:

@@ -25,7 +25,7 @@ from agentd.request import Request, RequestStatus
 
 # (a request's cached full-block chain, the tokens after it) -> (block, n): the first n of those
 # tokens already have KV in slots 0..n-1 of that block (a pin's partial last block).
-PrefixExtension = Callable[[Sequence[BlockHash], Sequence[int]], "tuple[int, int] | None"]
+PrefixExtension = Callable[[Sequence[BlockHash], list[int]], "tuple[int, int] | None"]
 
 
 @dataclass(frozen=True)

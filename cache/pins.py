@@ -75,8 +75,13 @@ class Pin:
         return len(self.block_ids)
 
     @property
+    def held_block_ids(self) -> list[int]:
+        """Every block the pin holds a reference on: its full blocks, then its tail block."""
+        return self.block_ids + ([self.tail_block] if self.tail_block is not None else [])
+
+    @property
     def num_blocks_held(self) -> int:
-        return len(self.block_ids) + (self.tail_block is not None)
+        return len(self.held_block_ids)
 
 
 class PinRegistry:
@@ -161,35 +166,14 @@ class PinRegistry:
         blocks, its tail block a free one."""
         pin = self.get(name)
         del self._pins[name]
-        held = list(pin.block_ids)
         if pin.tail_block is not None:
             self.kv_cache.free_blocks([pin.tail_block])
-            held.append(pin.tail_block)
         self.kv_cache.free_blocks(pin.block_ids)
-        for block_id in held:
+        for block_id in pin.held_block_ids:
             self._holders[block_id] -= 1
             if not self._holders[block_id]:
                 del self._holders[block_id]
         return pin
-
-    def tail_after(self, block_hashes: Sequence[BlockHash],
-                   next_tokens: Sequence[int]) -> tuple[int, int] | None:
-        """``(tail block, tokens)`` of the pin whose full blocks are exactly ``block_hashes`` (a
-        request's cached chain) and whose tail starts ``next_tokens``; the longest match."""
-        best: tuple[int, int] | None = None
-        n = len(block_hashes)
-        for pin in self._pins.values():
-            if pin.tail_block is None or pin.num_blocks != n or pin.block_hashes[-1] != (
-                    block_hashes[-1]):
-                continue
-            num_equal = 0
-            for ours, theirs in zip(pin.tail_token_ids, next_tokens, strict=False):
-                if ours != theirs:
-                    break
-                num_equal += 1
-            if num_equal and (best is None or num_equal > best[1]):
-                best = (pin.tail_block, num_equal)
-        return best
 
     def match(self, block_hashes: Sequence[BlockHash]) -> Pin | None:
         """The longest pin whose whole prefix starts ``block_hashes`` (a request's chain)."""

@@ -18,10 +18,11 @@ needs_bf16_gemm = pytest.mark.skipif(
 
 
 def build_batch(gen: torch.Generator, block_size: int, specs: list[tuple[int, int, int]],
-                num_blocks: int = 200, consecutive: bool = False):
+                num_blocks: int = 200, consecutive: bool = False, pinned: bool = False):
     """``specs``: (group, context before the chunk, chunk length) per sequence; sequences of one
     group share their leading blocks (as many as the shortest context fills). Blocks are handed
-    out in a random order, or in pool order with ``consecutive``."""
+    out in a random order, or in pool order with ``consecutive``; with ``pinned`` each group's
+    shared blocks are consecutive (a pin prefilled into an empty pool) and the rest random."""
     free = (list(range(num_blocks))[::-1] if consecutive
             else torch.randperm(num_blocks, generator=gen).tolist())
     shared: dict[int, list[int]] = {}
@@ -31,7 +32,16 @@ def build_batch(gen: torch.Generator, block_size: int, specs: list[tuple[int, in
     tables, lens, chunks = [], [], []
     for group, ctx, chunk in specs:
         if group not in shared:
-            shared[group] = [free.pop() for _ in range(min_ctx[group] // block_size)]
+            count = min_ctx[group] // block_size
+            if pinned:
+                first = min(free)  # leaves room: the tests' pools are several times the pins
+                while any(b not in free for b in range(first, first + count)):
+                    first += 1
+                for b in range(first, first + count):
+                    free.remove(b)
+                shared[group] = list(range(first, first + count))
+            else:
+                shared[group] = [free.pop() for _ in range(count)]
         total = ctx + chunk
         own = [free.pop() for _ in range(-(-total // block_size) - len(shared[group]))]
         tables.append(shared[group] + own)
@@ -58,10 +68,19 @@ LONG_CASES = {
     "a group with long tails": [(0, 64, MATMUL_TILE_ROWS + 20), (0, 64, 9)],
 }
 
+# Behind a long prefix prefilled into a fresh pool (consecutive blocks; built with ``pinned``).
+PINNED_CASES = {
+    "a turn behind a pin": [(0, 544, 40)],
+    "a turn behind a pin and its partial block": [(0, 530, 20)],
+    "agents behind a pin": [(0, 544, 40), (0, 544, 9), (0, 560, 1)],
+    "a long chunk behind a pin": [(0, 520, MATMUL_TILE_ROWS + 30)],
+}
+ALL_CASES = {**CASES, **LONG_CASES, **PINNED_CASES}
+
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3), (8, 1)])
 @pytest.mark.parametrize("block_size", [8, 16])
-@pytest.mark.parametrize("case", list(CASES) + list(LONG_CASES))
+@pytest.mark.parametrize("case", list(ALL_CASES))
 @pytest.mark.parametrize("layout,consecutive", [("interleaved", False), ("planes", False),
                                                 ("planes", True)])
 def test_grouped_prefill_matches_reference(num_heads, num_kv_heads, block_size, case, layout,
@@ -70,7 +89,7 @@ def test_grouped_prefill_matches_reference(num_heads, num_kv_heads, block_size, 
     head_dim = 32
     kv_cache = make_pool(gen, 200, block_size, num_kv_heads, head_dim, layout)
     block_tables, starts, seq_lens, num_tokens = build_batch(
-        gen, block_size, {**CASES, **LONG_CASES}[case], consecutive=consecutive)
+        gen, block_size, ALL_CASES[case], consecutive=consecutive, pinned=case in PINNED_CASES)
     query = torch.randn(num_tokens, num_heads, head_dim, generator=gen)
     expected = reference_prefill_attention(query, kv_cache, block_tables, starts, seq_lens, 0.2)
     actual = torch_prefill_attention(query, kv_cache, block_tables, starts, seq_lens, 0.2)
@@ -94,8 +113,8 @@ def test_a_shared_prefix_is_gathered_once(monkeypatch) -> None:
 
     monkeypatch.setattr(torch.Tensor, "index_select", counting)
     torch_prefill_attention(query, kv_cache, block_tables, starts, seq_lens, 0.2)
-    assert len(calls) == 2  # keys, then values: shared blocks + every tail's blocks, one read
-    assert calls == [10 + 4 * 1 + 1] * 2  # 10 shared blocks, tails of 1, 1, 1 and 2 blocks
+    # keys and values of the tails (1, 1, 1 and 2 blocks), then of the 10 shared blocks, once
+    assert calls == [4 * 1 + 1] * 2 + [10] * 2
 
 
 def test_consecutive_blocks_are_read_in_place(monkeypatch, make_pool) -> None:
@@ -114,6 +133,53 @@ def test_consecutive_blocks_are_read_in_place(monkeypatch, make_pool) -> None:
     actual = torch_prefill_attention(query, kv_cache, block_tables, starts, seq_lens, 0.2)
     assert gathers == []
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_groups_mask_covers_only_its_tails(dtype, make_pool) -> None:
+    """Agents behind one prompt: the shared blocks are every row's unmasked ``prefix``; the mask
+    spans only the tails (it was [rows, shared + tails], read per head), and the result is
+    still the reference's."""
+    from agentd.kernels.prefill_attention import _plan_prefill
+
+    if dtype == torch.bfloat16 and matmul_dtype(dtype, torch.device("cpu")) != dtype:
+        pytest.skip("this CPU has no bfloat16 GEMMs")
+    gen = torch.Generator().manual_seed(7)
+    kv_cache = make_pool(gen, 200, 16, 3, 64, "planes").to(dtype)
+    block_tables, starts, seq_lens, num_tokens = build_batch(
+        gen, 16, PINNED_CASES["agents behind a pin"], pinned=True)
+    [call] = _plan_prefill(block_tables, starts, seq_lens, 16, dtype)
+    assert call.prefix == slice(int(block_tables[0, 0]), int(block_tables[0, 0]) + 34)
+    assert call.mask.shape == (1, 1, 40 + 9 + 1, (3 + 1 + 2) * 16)
+    query = torch.randn(num_tokens, 9, 64, generator=gen).to(dtype)
+    expected = reference_prefill_attention(query.float(), kv_cache.float(), block_tables, starts,
+                                           seq_lens, 0.125)
+    actual = torch_prefill_attention(query, kv_cache, block_tables, starts, seq_lens, 0.125)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(actual.float(), expected, atol=tolerance, rtol=tolerance)
+
+
+def test_without_the_flash_op_a_pinned_prefix_joins_one_masked_call(make_pool) -> None:
+    """The fallback for a torch without the internal flash op: a prefix joins the other keys
+    (and the mask, or the causal offset, grows to match) for one SDPA call."""
+    from agentd.kernels.prefill_attention import _sdpa_one_call
+
+    gen = torch.Generator().manual_seed(8)
+    query = torch.randn(20, 9, 32, generator=gen)
+    prefix = (torch.randn(48, 3, 32, generator=gen), torch.randn(48, 3, 32, generator=gen))
+    keys, values = torch.randn(25, 3, 32, generator=gen), torch.randn(25, 3, 32, generator=gen)
+    all_keys, all_values = torch.cat([prefix[0], keys]), torch.cat([prefix[1], values])
+    # causal behind 48 + 5 cached keys, against the same keys with no prefix split off
+    expected = _sdpa_one_call(query, all_keys, all_values, None, 0.2, 53, None)
+    actual = _sdpa_one_call(query, keys, values, None, 0.2, 5, prefix)
+    torch.testing.assert_close(actual, expected)
+    visible = torch.rand(20, 25, generator=gen) < 0.5
+    visible[:, 0] = True
+    mask = torch.zeros(20, 25).masked_fill_(~visible, float("-inf"))[None, None]
+    whole = torch.cat([torch.zeros(1, 1, 20, 48), mask], dim=-1)
+    expected = _sdpa_one_call(query, all_keys, all_values, whole, 0.2, 0, None)
+    actual = _sdpa_one_call(query, keys, values, mask, 0.2, 0, prefix)
+    torch.testing.assert_close(actual, expected)
 
 
 def test_a_step_plans_once_for_all_layers(monkeypatch, make_pool) -> None:
@@ -147,7 +213,7 @@ def test_a_step_plans_once_for_all_layers(monkeypatch, make_pool) -> None:
 
 @needs_bf16_gemm
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (9, 3)])
-@pytest.mark.parametrize("case", list(CASES) + list(LONG_CASES))
+@pytest.mark.parametrize("case", list(ALL_CASES))
 @pytest.mark.parametrize("layout,consecutive", [("interleaved", False), ("planes", True)])
 def test_bf16_prefill_runs_as_tiled_matmuls_and_matches_fp32(num_heads, num_kv_heads, case,
                                                              layout, consecutive, make_pool,
@@ -157,7 +223,7 @@ def test_bf16_prefill_runs_as_tiled_matmuls_and_matches_fp32(num_heads, num_kv_h
     gen = torch.Generator().manual_seed(hash((num_heads, case, layout)) % 2**31)
     kv_cache = make_pool(gen, 200, 16, num_kv_heads, 64, layout).to(torch.bfloat16)
     block_tables, starts, seq_lens, num_tokens = build_batch(
-        gen, 16, {**CASES, **LONG_CASES}[case], consecutive=consecutive)
+        gen, 16, ALL_CASES[case], consecutive=consecutive, pinned=case in PINNED_CASES)
     query = torch.randn(num_tokens, num_heads, 64, generator=gen).to(torch.bfloat16)
     expected = reference_prefill_attention(query.float(), kv_cache.float(), block_tables, starts,
                                            seq_lens, 0.125)

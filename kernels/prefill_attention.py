@@ -93,28 +93,37 @@ def torch_prefill_attention(
 
     Agents that send the same system prompt arrive together and are prefilled in one step, each
     over the same cached blocks. Chunks whose sequences share leading full blocks (before any of
-    their queries) are grouped: the shared blocks are gathered once and seen by every row, and
-    each chunk's own tail blocks are gathered after them, under a mask that lets a row see,
-    causally, only its own tail. A lone chunk whose blocks are consecutive in the pool reads
-    them in place.
+    their queries) form a group: the shared blocks are gathered once and attended to by every
+    row of the group, each chunk attends causally to its own tail (the rest of its context), and
+    the parts are merged by their log-sum-exps. No mask is built: one mask over every tail made
+    every row attend to every tail (8 turns behind a shared prompt, one of them 800 tokens into
+    its own: a 5.8 s step). A lone chunk whose blocks are consecutive in the pool reads them in
+    place.
     """
     plan = step_plan("prefill", (block_tables, query_start_loc, seq_lens),
                      lambda: _plan_prefill(block_tables, query_start_loc, seq_lens,
-                                           kv_cache.shape[2], query.dtype))
+                                           kv_cache.shape[2]))
     out = torch.empty_like(query)
     low_precision = matmul_dtype(query.dtype, query.device) != torch.float32
     for call in plan:
         keys = take_blocks(kv_cache, 0, call.blocks)[:call.num_keys]
         values = take_blocks(kv_cache, 1, call.blocks)[:call.num_keys]
-        prefix = None
-        if call.prefix is not None:
-            prefix = (take_blocks(kv_cache, 0, call.prefix), take_blocks(kv_cache, 1, call.prefix))
+        shared = None
+        if call.shared is not None:
+            shared = (take_blocks(kv_cache, 0, call.shared), take_blocks(kv_cache, 1, call.shared))
         if len(call.rows) == 1:
             queries = query[call.rows[0][0]:call.rows[0][1]]
         else:
             queries = torch.cat([query[start:end] for start, end in call.rows])
-        attend = matmul_attention if low_precision else sdpa_attention
-        attn = attend(queries, keys, values, call.mask, scale, call.offset, prefix)
+        if low_precision:
+            attn = torch.cat([
+                matmul_attention(queries[row:row + num_rows], keys[first:first + num_keys],
+                                 values[first:first + num_keys], scale, num_keys - num_rows,
+                                 shared)
+                for row, (num_rows, first, num_keys) in zip(_row_starts(call.chunks), call.chunks,
+                                                            strict=True)])
+        else:
+            attn = sdpa_attention(queries, keys, values, call.chunks, scale, shared)
         row = 0
         for start, end in call.rows:
             out[start:end] = attn[row:row + end - start]
@@ -122,33 +131,56 @@ def torch_prefill_attention(
     return out
 
 
-def sdpa_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                   mask: torch.Tensor | None, scale: float, offset: int = 0,
-                   prefix: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """:func:`matmul_attention`'s contract through SDPA (fp32, and CPUs without bf16 GEMMs).
+Chunks = list[tuple[int, int, int]]  # per chunk: query rows, its first key, its number of keys
 
-    Keys every row sees (``prefix``, and a lone chunk's first ``offset`` keys) and the rest
-    (causal, or under ``mask``) run as separate flash calls merged by their log-sum-exps. The
-    unmasked parts stack each GQA group's query heads as rows over their one KV head. SDPA with
-    the equivalent [q, L] mask computes every tile and reads the mask per head: 62 vs 37 ms a
-    layer for a 2,084-token chunk behind 16 cached tokens, 115 vs 86 ms for 2,048 behind 2,048
-    (a long prompt's second chunk).
+
+def _row_starts(chunks: Chunks) -> list[int]:
+    starts, row = [], 0
+    for num_rows, _, _ in chunks:
+        starts.append(row)
+        row += num_rows
+    return starts
+
+
+def sdpa_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                   chunks: Chunks, scale: float,
+                   shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Causal attention of chunks through torch's CPU flash kernel (fp32, and CPUs without
+    bfloat16 GEMMs).
+
+    ``query`` holds the chunks' rows back to back, ``keys``/``values`` ``[L, Hkv, D]`` their own
+    keys (chunk ``i``'s last ``rows_i`` keys are its rows'); ``shared``: keys before every
+    chunk's own, seen by every row. A chunk's last row sees all of its keys.
+
+    Parts every row sees whole (``shared``, a chunk's cached keys) and each chunk's own rows
+    (causal) run as separate flash calls merged by their log-sum-exps; the whole parts stack each
+    GQA group's query heads as the rows of one KV head. SDPA with the equivalent [q, L] mask
+    computes every tile and reads the mask per head: 62 vs 37 ms a layer for a 2,084-token chunk
+    behind 16 cached tokens, 115 vs 86 ms for 2,048 behind 2,048.
     """
-    # The op that also returns the log-sum-exp is internal API: without it, one masked call.
+    # The op that also returns the log-sum-exp is internal API: without it, one masked call each.
     flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-    one_part = prefix is None and (mask is not None or offset == 0)
-    if one_part or flash is None or query.device.type != "cpu":
-        return _sdpa_one_call(query, keys, values, mask, scale, offset, prefix)
-    parts = []
-    if prefix is not None:
-        parts.append(_flash_stacked(flash, query, *prefix, scale))
-    if mask is not None:
-        parts.append(_flash(flash, query, keys, values, scale, attn_mask=mask))
-    else:
-        if offset:
-            parts.append(_flash_stacked(flash, query, keys[:offset], values[:offset], scale))
-        parts.append(_flash(flash, query, keys[offset:], values[offset:], scale, is_causal=True))
-    return _merge(parts).to(query.dtype)
+    cold = shared is None and len(chunks) == 1 and chunks[0][0] == chunks[0][2]
+    if cold or flash is None or query.device.type != "cpu":
+        return torch.cat([
+            _sdpa_one_call(query[row:row + num_rows], keys[first:first + num_keys],
+                           values[first:first + num_keys], scale, num_keys - num_rows, shared)
+            for row, (num_rows, first, num_keys) in zip(_row_starts(chunks), chunks, strict=True)])
+    own = []
+    for row, (num_rows, first, num_keys) in zip(_row_starts(chunks), chunks, strict=True):
+        rows = query[row:row + num_rows]
+        cached = first + num_keys - num_rows
+        parts = [_flash(flash, rows, keys[cached:first + num_keys],
+                        values[cached:first + num_keys], scale, is_causal=True)]
+        if cached > first:
+            parts.append(_flash_stacked(flash, rows, keys[first:cached], values[first:cached],
+                                        scale))
+        own.append(_merge(parts))
+    parts = [own[0] if len(own) == 1 else (torch.cat([o for o, _ in own]),
+                                           torch.cat([lse for _, lse in own]))]
+    if shared is not None:
+        parts.append(_flash_stacked(flash, query, *shared, scale))
+    return _merge(parts)[0].to(query.dtype)
 
 
 def _flash(flash, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
@@ -179,8 +211,10 @@ def _flash_stacked(flash, query: torch.Tensor, keys: torch.Tensor, values: torch
     return out.reshape(num_rows, num_heads, head_dim), lse.reshape(num_rows, num_heads)
 
 
-def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Attention over the union of disjoint key sets from each set's output and log-sum-exp."""
+def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention over the union of disjoint key sets, and its log-sum-exp, from each set's."""
+    if len(parts) == 1:
+        return parts[0]
     lse = parts[0][1]
     for _, part_lse in parts[1:]:
         lse = torch.logaddexp(lse, part_lse)
@@ -188,21 +222,17 @@ def _merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     for out, part_lse in parts:
         term = out * (part_lse - lse).exp_().unsqueeze(-1)
         merged = term if merged is None else merged.add_(term)
-    return merged
+    return merged, lse
 
 
-def _sdpa_one_call(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                   mask: torch.Tensor | None, scale: float, offset: int,
-                   prefix: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-    """Everything as one SDPA call: the prefix's keys joined to the rest, the mask made whole."""
-    if prefix is not None:
-        num_prefix = prefix[0].shape[0]
-        keys, values = torch.cat([prefix[0], keys]), torch.cat([prefix[1], values])
-        if mask is None:
-            offset += num_prefix
-        else:
-            mask = torch.cat([mask.new_zeros(*mask.shape[:-1], num_prefix), mask], dim=-1)
-    if mask is None and offset > 0:
+def _sdpa_one_call(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                   offset: int, shared: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """One chunk as one SDPA call: ``shared`` joined before its keys, causal behind ``offset``."""
+    if shared is not None:
+        keys, values = torch.cat([shared[0], keys]), torch.cat([shared[1], values])
+        offset += shared[0].shape[0]
+    mask = None
+    if offset > 0:
         mask = _additive(_causal_visible(query.shape[0], offset, query.device), query.dtype)
     q = query.transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
     k = keys.transpose(0, 1).unsqueeze(0).to(query.dtype)  # [1, Hkv, L, D]
@@ -219,51 +249,49 @@ def _causal_visible(num_rows: int, offset: int, device: torch.device) -> torch.T
     return torch.arange(offset + num_rows, device=device)[None, :] <= positions[:, None]
 
 
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A boolean mask as SDPA's additive one (0 / -inf), ``[1, 1, q, L]``."""
+    bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+    return bias.masked_fill_(~visible, float("-inf"))[None, None]
+
+
 MATMUL_TILE_ROWS = 128  # query rows per score tile: 19 ms a 2,100-token causal layer (bf16), vs
 # 39 ms with 256 (larger score tiles fall out of cache) and 36 ms for SDPA
 
 
 def matmul_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                     mask: torch.Tensor | None, scale: float, offset: int = 0,
-                     prefix: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-    """Attention of ``query`` ``[q, H, D]`` over ``keys``/``values`` ``[L, Hkv, D]`` as batched
-    GEMMs in the inputs' dtype, ``MATMUL_TILE_ROWS`` query rows at a time.
+                     scale: float, offset: int = 0,
+                     shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """Causal attention of one chunk, ``query`` ``[q, H, D]`` over ``keys``/``values``
+    ``[L, Hkv, D]`` (``offset`` cached keys, then the rows' own: row ``i`` sees keys
+    ``0..offset + i``), as batched GEMMs in the inputs' dtype, ``MATMUL_TILE_ROWS`` rows at a
+    time; a tile computes only the keys up to its last row. ``shared``: keys and values before
+    ``keys`` that every row sees (a group's common prefix).
 
-    ``mask``: additive ``[1, 1, q, L]`` (a group of chunks); None means causal with ``offset``
-    keys before the first row (row ``i`` sees keys ``0..offset + i``; ``L == offset + q``), where
-    a tile computes only the keys up to its last row. Scores are produced in the input dtype;
-    softmax accumulates in fp32. Each GQA group's query heads are stacked into the rows of one
-    product with their KV head. ``prefix``: keys and values ``[P, Hkv, D]`` before ``keys`` that
-    every row sees (a group's shared blocks); ``offset`` and ``mask`` then describe only the keys
-    after it.
+    Scores are produced in the input dtype; softmax accumulates in fp32. Each GQA group's query
+    heads are stacked into the rows of one product with their KV head.
     """
     num_rows, num_heads, head_dim = query.shape
-    num_keys, num_kv_heads = keys.shape[0], keys.shape[1]
+    num_kv_heads = keys.shape[1]
     group = num_heads // num_kv_heads
     q = (query * scale).view(num_rows, num_kv_heads, group, head_dim).transpose(0, 1)
-    num_prefix = 0
-    if prefix is None:
+    if shared is None:
         keys_h, values_h = heads_first(keys), heads_first(values)  # [Hkv, L, D]
     else:  # one head-major copy of both parts
-        num_prefix = prefix[0].shape[0]
-        keys_h = torch.cat([prefix[0].transpose(0, 1), keys.transpose(0, 1)], dim=1)
-        values_h = torch.cat([prefix[1].transpose(0, 1), values.transpose(0, 1)], dim=1)
-        num_keys += num_prefix
-        offset += num_prefix
+        keys_h = torch.cat([shared[0].transpose(0, 1), keys.transpose(0, 1)], dim=1)
+        values_h = torch.cat([shared[1].transpose(0, 1), values.transpose(0, 1)], dim=1)
+        offset += shared[0].shape[0]
     keys_t = keys_h.transpose(1, 2)  # [Hkv, D, L]
     out = torch.empty_like(query)
     out_groups = out.view(num_rows, num_kv_heads, group, head_dim)
     for first in range(0, num_rows, MATMUL_TILE_ROWS):
         last = min(num_rows, first + MATMUL_TILE_ROWS)
         rows = last - first
-        end = offset + last if mask is None else num_keys
+        end = offset + last
         tile = q[:, first:last].reshape(num_kv_heads, rows * group, head_dim)
         scores = torch.bmm(tile, keys_t[:, :, :end]).view(num_kv_heads, rows, group, end)
-        if mask is None:
-            future = torch.ones(rows, rows, dtype=torch.bool, device=query.device).triu_(1)
-            scores[..., end - rows:].masked_fill_(future[None, :, None, :], float("-inf"))
-        else:
-            scores[..., num_prefix:] += mask[0, 0, first:last, None, :]
+        future = torch.ones(rows, rows, dtype=torch.bool, device=query.device).triu_(1)
+        scores[..., end - rows:].masked_fill_(future[None, :, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1).view(num_kv_heads, rows * group, end)
         tile_out = torch.bmm(probs, values_h[:, :end])  # [Hkv, rows * group, D]
         out_groups[first:last] = tile_out.view(num_kv_heads, rows, group, head_dim).transpose(0, 1)
@@ -272,23 +300,17 @@ def matmul_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tens
 
 @dataclass
 class _PrefillCall:
-    """One attention call of a CPU prefill step."""
+    """The chunks of a CPU prefill step that attend together: one, or a group over shared blocks."""
 
     rows: list[tuple[int, int]]  # query row ranges, stacked in this order
-    blocks: slice | torch.Tensor  # the pool blocks holding the keys, in key order
-    num_keys: int  # tokens used from those blocks (the rest of the last one is unused)
-    # A group's additive [1, 1, rows, num_keys] mask, which also hides the unused slots of
-    # partial tail blocks (they hold finite values: zeros or older K/V, as do the padded tails of
-    # the decode path). None for one chunk: causal behind ``offset`` cached tokens.
-    mask: torch.Tensor | None
-    offset: int = 0
-    # A group's shared blocks, before ``blocks`` and seen by every row (no mask)
-    prefix: slice | torch.Tensor | None = None
+    blocks: slice | torch.Tensor  # the pool blocks holding the chunks' own keys, back to back
+    num_keys: int  # tokens used from those blocks (the rest of a lone chunk's last is unused)
+    chunks: Chunks  # per chunk (in ``rows`` order): its rows, first key, number of keys
+    shared: slice | torch.Tensor | None = None  # a group's common blocks, before every chunk's
 
 
 def _plan_prefill(block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                  seq_lens: torch.Tensor, block_size: int,
-                  dtype: torch.dtype) -> list[_PrefillCall]:
+                  seq_lens: torch.Tensor, block_size: int) -> list[_PrefillCall]:
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     tables = block_tables.tolist()
@@ -302,59 +324,38 @@ def _plan_prefill(block_tables: torch.Tensor, query_start_loc: torch.Tensor,
         groups.setdefault(first, []).append(i)
     calls = []
     for rows in groups.values():
-        call = (_plan_group(tables, starts, lens, rows, block_size, dtype, device)
+        call = (_plan_group(tables, starts, lens, rows, block_size, device)
                 if len(rows) > 1 else None)
         if call is not None:
             calls.append(call)
             continue
         for i in rows:
-            num_queries, seq_len = starts[i + 1] - starts[i], lens[i]
+            seq_len = lens[i]
             calls.append(_PrefillCall([(starts[i], starts[i + 1])],
                                       block_run(tables[i][:cdiv(seq_len, block_size)], device),
-                                      seq_len, None, seq_len - num_queries))
+                                      seq_len, [(starts[i + 1] - starts[i], 0, seq_len)]))
     return calls
 
 
-def _plan_group(tables, starts, lens, rows, block_size, dtype, device) -> _PrefillCall | None:
+def _plan_group(tables, starts, lens, rows, block_size, device) -> _PrefillCall | None:
     """One call for chunks over a common cached prefix; None if they share no full block.
 
-    The shared blocks are the call's ``prefix`` (no mask: every row sees them); the mask covers
-    only the chunks' own tails (8 agents' turns behind a 2,064-token prompt: 493 vs 504 ms a
-    step in fp32, 381 vs 406 in bf16, against one mask over everything).
+    The shared blocks are gathered once; each chunk's own tail blocks follow, back to back.
     """
     num_shared = shared_blocks([tables[i] for i in rows],
                                [lens[i] - (starts[i + 1] - starts[i]) for i in rows], block_size)
     if num_shared == 0:
         return None
     shared_len = num_shared * block_size
-    shared = tables[rows[0]][:num_shared]
     block_ids: list[int] = []
-    spans = []  # (first key, tail length) of each chunk's own tail among the tails' keys
+    chunks = []
     for i in rows:
         tail_len = lens[i] - shared_len
-        tail_blocks = tables[i][num_shared:num_shared + cdiv(tail_len, block_size)]
-        spans.append((len(block_ids) * block_size, tail_len))
-        block_ids.extend(tail_blocks)
-    num_keys = len(block_ids) * block_size
-    num_rows = sum(starts[i + 1] - starts[i] for i in rows)
-    visible = torch.zeros(num_rows, num_keys, dtype=torch.bool, device=device)
-    row = 0
-    for i, (key_start, tail_len) in zip(rows, spans, strict=True):
-        num_queries = starts[i + 1] - starts[i]
-        # query j sits at tail position tail_len - num_queries + j and sees tail keys up to it
-        visible[row:row + num_queries, key_start:key_start + tail_len] = (
-            torch.arange(tail_len, device=device)[None, :]
-            <= (tail_len - num_queries + torch.arange(num_queries, device=device))[:, None])
-        row += num_queries
-    return _PrefillCall([(starts[i], starts[i + 1]) for i in rows],
-                        block_run(block_ids, device), num_keys, _additive(visible, dtype),
-                        prefix=block_run(shared, device))
-
-
-def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean mask as SDPA's additive one (0 / -inf), ``[1, 1, q, L]``, built once a step."""
-    bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
-    return bias.masked_fill_(~visible, float("-inf"))[None, None]
+        chunks.append((starts[i + 1] - starts[i], len(block_ids) * block_size, tail_len))
+        block_ids.extend(tables[i][num_shared:num_shared + cdiv(tail_len, block_size)])
+    return _PrefillCall([(starts[i], starts[i + 1]) for i in rows], block_run(block_ids, device),
+                        len(block_ids) * block_size, chunks,
+                        block_run(tables[rows[0]][:num_shared], device))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -136,49 +136,63 @@ def test_consecutive_blocks_are_read_in_place(monkeypatch, make_pool) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_groups_mask_covers_only_its_tails(dtype, make_pool) -> None:
-    """Agents behind one prompt: the shared blocks are every row's unmasked ``prefix``; the mask
-    spans only the tails (it was [rows, shared + tails], read per head), and the result is
-    still the reference's."""
-    from agentd.kernels.prefill_attention import _plan_prefill
-
-    if dtype == torch.bfloat16 and matmul_dtype(dtype, torch.device("cpu")) != dtype:
-        pytest.skip("this CPU has no bfloat16 GEMMs")
+def test_a_group_attends_each_row_to_the_shared_blocks_and_its_own_tail_only(dtype, monkeypatch,
+                                                                            make_pool) -> None:
+    """Turns behind a shared prompt beside a chunk deep into a longer prompt of its own (the
+    scheduler admits both in one step): every row attends to the shared keys and its own
+    chunk's, never to another chunk's tail. One mask over all tails did (a 5.8 s step for 8
+    turns beside one 800-token chunk). Counted as query-head rows x keys over the products."""
     gen = torch.Generator().manual_seed(7)
-    kv_cache = make_pool(gen, 200, 16, 3, 64, "planes").to(dtype)
-    block_tables, starts, seq_lens, num_tokens = build_batch(
-        gen, 16, PINNED_CASES["agents behind a pin"], pinned=True)
-    [call] = _plan_prefill(block_tables, starts, seq_lens, 16, dtype)
-    assert call.prefix == slice(int(block_tables[0, 0]), int(block_tables[0, 0]) + 34)
-    assert call.mask.shape == (1, 1, 40 + 9 + 1, (3 + 1 + 2) * 16)
-    query = torch.randn(num_tokens, 9, 64, generator=gen).to(dtype)
+    num_heads, num_kv_heads = 9, 3
+    kv_cache = make_pool(gen, 200, 16, num_kv_heads, 64, "planes").to(dtype)
+    specs = [(0, 544, 40), (0, 544, 9), (0, 1100, 30)]
+    block_tables, starts, seq_lens, num_tokens = build_batch(gen, 16, specs, pinned=True)
+    query = torch.randn(num_tokens, num_heads, 64, generator=gen).to(dtype)
     expected = reference_prefill_attention(query.float(), kv_cache.float(), block_tables, starts,
                                            seq_lens, 0.125)
+    work = []
+    if matmul_dtype(dtype, torch.device("cpu")) == torch.float32:
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+        def counting(q, k, v, *args, **kwargs):
+            work.append(q.shape[1] * q.shape[2] * k.shape[2])
+            return flash(q, k, v, *args, **kwargs)
+
+        monkeypatch.setattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu",
+                            counting)
+    else:
+        bmm = torch.bmm
+
+        def counting(a, b):  # scores: [Hkv, rows * group, D] x [Hkv, D, keys]
+            if b.shape[1] == 64:
+                work.append(a.shape[0] * a.shape[1] * b.shape[2])
+            return bmm(a, b)
+
+        monkeypatch.setattr(torch, "bmm", counting)
     actual = torch_prefill_attention(query, kv_cache, block_tables, starts, seq_lens, 0.125)
+    # flash computes a causal chunk's square whole; the bf16 tiles compute keys up to their last
+    assert sum(work) == num_heads * sum(rows * (ctx + rows) for _, ctx, rows in specs)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(actual.float(), expected, atol=tolerance, rtol=tolerance)
 
 
-def test_without_the_flash_op_a_pinned_prefix_joins_one_masked_call(make_pool) -> None:
-    """The fallback for a torch without the internal flash op: a prefix joins the other keys
-    (and the mask, or the causal offset, grows to match) for one SDPA call."""
+def test_without_the_flash_op_shared_keys_join_one_masked_call() -> None:
+    """The fallback for a torch without the internal flash op: a group's shared keys join each
+    chunk's own (the causal offset grows to match) for one SDPA call, as if never split."""
     from agentd.kernels.prefill_attention import _sdpa_one_call
 
     gen = torch.Generator().manual_seed(8)
     query = torch.randn(20, 9, 32, generator=gen)
-    prefix = (torch.randn(48, 3, 32, generator=gen), torch.randn(48, 3, 32, generator=gen))
+    shared = (torch.randn(48, 3, 32, generator=gen), torch.randn(48, 3, 32, generator=gen))
     keys, values = torch.randn(25, 3, 32, generator=gen), torch.randn(25, 3, 32, generator=gen)
-    all_keys, all_values = torch.cat([prefix[0], keys]), torch.cat([prefix[1], values])
-    # causal behind 48 + 5 cached keys, against the same keys with no prefix split off
-    expected = _sdpa_one_call(query, all_keys, all_values, None, 0.2, 53, None)
-    actual = _sdpa_one_call(query, keys, values, None, 0.2, 5, prefix)
-    torch.testing.assert_close(actual, expected)
-    visible = torch.rand(20, 25, generator=gen) < 0.5
-    visible[:, 0] = True
-    mask = torch.zeros(20, 25).masked_fill_(~visible, float("-inf"))[None, None]
-    whole = torch.cat([torch.zeros(1, 1, 20, 48), mask], dim=-1)
-    expected = _sdpa_one_call(query, all_keys, all_values, whole, 0.2, 0, None)
-    actual = _sdpa_one_call(query, keys, values, mask, 0.2, 0, prefix)
+    all_keys, all_values = torch.cat([shared[0], keys]), torch.cat([shared[1], values])
+    positions = torch.arange(53, 73)  # behind 48 + 5 cached keys
+    visible = torch.arange(73)[None, :] <= positions[:, None]
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        query.transpose(0, 1)[None], all_keys.transpose(0, 1)[None],
+        all_values.transpose(0, 1)[None], attn_mask=visible[None, None], scale=0.2,
+        enable_gqa=True)[0].transpose(0, 1)
+    actual = _sdpa_one_call(query, keys, values, 0.2, 5, shared)
     torch.testing.assert_close(actual, expected)
 
 

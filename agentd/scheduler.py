@@ -6,7 +6,10 @@ when prefilling in chunks); then waiting requests are admitted in order while th
 (``max_num_batched_tokens``), ``max_num_seqs`` and the block pool allow. Admission first asks the
 cache manager for the longest cached prefix, so only the uncached tail is prefilled; a pin's
 partial last block extends that prefix (``prefix_extension``): its slots are copied into the
-request's first new block before the step's forward (``SchedulerOutput.kv_copies``).
+request's first new block before the step's forward (``SchedulerOutput.kv_copies``). A waiting
+request whose next uncached block a running request is still computing (agents that start
+together with the same new prompt) waits for it to be cached rather than compute it again; the
+requests behind it are admitted meanwhile.
 
 Preemption rule: when a running request cannot get the blocks it needs, the most recently admitted
 running request is preempted: its blocks are freed (full ones stay cached) and it returns to the
@@ -20,12 +23,20 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from agentd.cache import BlockHash, KVCacheManager
+from agentd.cache import BlockHash, CachedPrefix, KVCacheManager
 from agentd.request import Request, RequestStatus
 
 # (a request's cached full-block chain, the tokens after it) -> (block, n): the first n of those
 # tokens already have KV in slots 0..n-1 of that block (a pin's partial last block).
 PrefixExtension = Callable[[Sequence[BlockHash], list[int]], "tuple[int, int] | None"]
+
+
+# A waiting request waits for a running prefill that is computing at least this many of its next
+# tokens, instead of computing them too (8 agents started with one new 2,100-token prompt, where
+# the first's prefill left room in the step for a second: TTFTs 1.9 s and 2.4 s instead of 2.6 s
+# and 4.2 s). Below it, recomputing is cheaper than waiting a step: the shared prompt's last
+# partial chunk, say.
+WAIT_FOR_TOKENS = 256
 
 
 @dataclass(frozen=True)
@@ -119,15 +130,39 @@ class Scheduler:
             out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
             index += 1
-        while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+        computing = self._blocks_being_computed()
+        index = 0
+        while (index < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs
                and not out.preempted_ids):
-            request = self.waiting[0]
-            num_new = self._admit(request, budget, out)
+            request = self.waiting[index]
+            cached = self.kv_cache.find_cached_prefix(
+                request.all_token_ids, request.cache_salt, max_num_tokens=request.num_tokens - 1)
+            if self._would_recompute(cached, computing):
+                index += 1  # running prefills are computing its next blocks: wait for the hits
+                continue
+            num_new = self._admit(request, cached, budget, out)
             if num_new is None:
                 break
             out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
+            computing.update(self._uncomputed_blocks(request))
         return out
+
+    def _would_recompute(self, cached: CachedPrefix, computing: set[BlockHash]) -> bool:
+        """Whether the blocks right after ``cached`` that running prefills are computing hold at
+        least ``WAIT_FOR_TOKENS`` (fewer are cheaper to compute again than a step's wait)."""
+        needed = -(-WAIT_FOR_TOKENS // self.kv_cache.block_size)
+        upcoming = cached.block_hashes[len(cached.block_ids):len(cached.block_ids) + needed]
+        return len(upcoming) == needed and all(h in computing for h in upcoming)
+
+    def _blocks_being_computed(self) -> set[BlockHash]:
+        """Hashes of the prompt blocks that running requests have yet to compute."""
+        return {block_hash for request in self.running
+                for block_hash in self._uncomputed_blocks(request)}
+
+    def _uncomputed_blocks(self, request: Request) -> list[BlockHash]:
+        hashes = request.prefix_block_hashes or []
+        return hashes[request.num_computed_tokens // self.kv_cache.block_size:]
 
     def _make_room(self, request: Request, num_tokens: int, out: SchedulerOutput) -> bool:
         """Grow ``request``'s blocks to ``num_tokens``, preempting the newest runners if needed."""
@@ -143,11 +178,9 @@ class Scheduler:
                 return False
         return True
 
-    def _admit(self, request: Request, budget: int, out: SchedulerOutput) -> int | None:
-        """Move the head of the queue to running; returns its token count or None if no room."""
-        cached = self.kv_cache.find_cached_prefix(
-            request.all_token_ids, request.cache_salt, max_num_tokens=request.num_tokens - 1
-        )
+    def _admit(self, request: Request, cached: CachedPrefix, budget: int,
+               out: SchedulerOutput) -> int | None:
+        """Move a waiting request to running; returns its token count or None if no room."""
         extension = None
         if self.prefix_extension is not None and cached.block_ids:
             # at least the last token is always computed, for its logits
@@ -158,11 +191,10 @@ class Scheduler:
         num_new = min(request.num_tokens - num_cached, budget)
         if self.kv_cache.allocate(request.request_id, num_cached + num_new, cached) is None:
             if not self.running:  # an empty engine cannot hold it: it never will
-                self.waiting.popleft()
                 self._finish(request, RequestStatus.FINISHED_LENGTH)
                 out.failed_ids.append(request.request_id)
             return None
-        self.waiting.popleft()
+        self.waiting.remove(request)
         if extension is not None:
             first_new = self.kv_cache.block_table(request.request_id)[len(cached.block_ids)]
             out.kv_copies.append(KVCopy(extension[0], first_new, extension[1]))

@@ -314,3 +314,59 @@ def test_finish_request_from_outside_frees_blocks_and_ignores_its_step_result() 
     assert h.scheduler.finish_request("a", RequestStatus.FINISHED_ABORTED) is None
     h.run_to_end()
     h.assert_pool_empty()
+
+
+@pytest.fixture
+def wait_for_two_blocks(monkeypatch) -> None:
+    """Tests' prompts are short: wait for a running prefill from 2 blocks (8 tokens) up."""
+    from agentd import scheduler
+
+    monkeypatch.setattr(scheduler, "WAIT_FOR_TOKENS", 2 * BLOCK_SIZE)
+
+
+def test_agents_starting_together_wait_for_the_first_prefill_instead_of_repeating_it(
+        wait_for_two_blocks) -> None:
+    h = make(budget=64)
+    shared = prompt(1000, 40)  # 10 blocks that nobody has computed yet
+    a = h.add("a", shared + [1, 2, 3], max_tokens=2)
+    b = h.add("b", shared + [4, 5], max_tokens=2)
+    c = h.add("c", prompt(3000, 6), max_tokens=2)
+
+    out = h.step()  # b would compute a's 40 tokens again: it waits; c, behind it, goes ahead
+    assert rows(out) == [("a", 0, 43, True), ("c", 0, 6, True)]
+    assert [r.request_id for r in h.scheduler.waiting] == ["b"]
+    out = h.step()  # a's blocks are cached now: b computes only its own 2 tokens
+    assert rows(out) == [("a", 43, 1, True), ("c", 6, 1, True), ("b", 40, 2, True)]
+    assert b.num_cached_tokens == 40
+    h.run_to_end()
+    assert a.output_token_ids == [7, 7] and b.output_token_ids == [7, 7]
+    assert h.runner.num_tokens == 43 + 6 + (1 + 1 + 2) + 1
+    h.assert_pool_empty()
+
+
+def test_a_short_overlap_with_a_running_prefill_is_computed_again_at_once(
+        wait_for_two_blocks) -> None:
+    """One shared block in flight is cheaper to recompute than a step's wait."""
+    h = make(budget=64)
+    h.add("a", prompt(1000, 4) + [1, 2, 3, 4, 5], max_tokens=1)
+    h.add("b", prompt(1000, 4) + [6, 7, 8, 9, 10], max_tokens=1)
+    out = h.step()
+    assert rows(out) == [("a", 0, 9, True), ("b", 0, 9, True)]
+    h.run_to_end()
+    h.assert_pool_empty()
+
+
+def test_a_waiting_request_goes_ahead_when_the_prefill_it_waits_for_is_aborted(
+        wait_for_two_blocks) -> None:
+    h = make(budget=16)
+    shared = prompt(1000, 40)
+    h.add("a", shared + [1], max_tokens=1)
+    b = h.add("b", shared + [2], max_tokens=1)
+    out = h.step()  # a's first chunk: 4 of its 10 shared blocks
+    assert rows(out) == [("a", 0, 16, False)]
+    h.scheduler.finish_request("a", RequestStatus.FINISHED_ABORTED)
+    out = h.step()  # what a computed is cached; the rest nobody is computing
+    assert rows(out) == [("b", 16, 16, False)]
+    assert b.num_cached_tokens == 16
+    h.run_to_end()
+    h.assert_pool_empty()

@@ -29,11 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import random
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,7 +40,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
+
+from agentd.bench.spawn import SpawnedDaemon
 
 WORKLOADS = ("coding_agent", "support_agent", "research_agent")
 READY_TIMEOUT_S = 900.0
@@ -52,12 +49,6 @@ READY_TIMEOUT_S = 900.0
 
 def workload(name: str) -> dict[str, Any]:
     return json.loads(resources.files("agentd.workloads").joinpath(f"{name}.json").read_text())
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass
@@ -69,61 +60,24 @@ class Tally:
     prompt_tokens: int = 0
 
 
-class Daemon:
-    def __init__(self, args: argparse.Namespace, state_dir: Path) -> None:
-        self.args = args
-        self.state_dir = state_dir
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.process: subprocess.Popen[bytes] | None = None
-        self.num_starts = 0
+def spawn(args: argparse.Namespace, state_dir: Path) -> SpawnedDaemon:
+    """The daemon under test: ``agentd start`` on a free port with the soak's options, its
+    state in ``state_dir/state`` and its output in ``state_dir/soak-daemon.log``."""
+    options = ["--kv-cache-memory", args.kv_cache, "--log-level", "warning",
+               "--max-queue", str(args.max_queue)]
+    if args.model:
+        options += ["--model", args.model]
+    return SpawnedDaemon(state_dir / "state", *options, ready_timeout_s=READY_TIMEOUT_S,
+                         log_path=state_dir / "soak-daemon.log")
 
-    def start(self) -> float:
-        """Start the daemon and wait for /health 200; returns the seconds that took."""
-        started = time.monotonic()
-        command = [sys.executable, "-m", "agentd.cli", "start", "--port", str(self.port),
-                   "--state-dir", str(self.state_dir), "--kv-cache-memory", self.args.kv_cache,
-                   "--log-level", "warning", "--max-queue", str(self.args.max_queue)]
-        if self.args.model:
-            command += ["--model", self.args.model]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")}
-        log = open(self.state_dir / "soak-daemon.log", "ab")  # Popen keeps its own copy
-        self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        log.close()
-        self.num_starts += 1
-        deadline = started + READY_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise SystemExit(f"the daemon exited with {self.process.returncode}; see "
-                                 f"{self.state_dir / 'soak-daemon.log'}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return time.monotonic() - started
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise SystemExit("the daemon was not ready in time")
 
-    def stop(self, hard: bool) -> None:
-        assert self.process is not None
-        if hard:
-            self.process.send_signal(signal.SIGKILL)
-        else:
-            try:
-                httpx.post(f"{self.url}/admin/shutdown", timeout=5)
-            except httpx.HTTPError:
-                self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(60)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-
-    def rss_mib(self) -> float | None:
-        try:
-            return psutil.Process(self.process.pid).memory_info().rss / 2**20
-        except (psutil.Error, AttributeError):
-            return None
+def restart(daemon: SpawnedDaemon, hard: bool) -> float:
+    """``kill -9`` (hard) or a graceful stop, then start again; the seconds to ready."""
+    if hard:
+        daemon.kill()
+    else:
+        daemon.stop()
+    return daemon.start()
 
 
 class Traffic:
@@ -217,8 +171,8 @@ def _record(status: int, text: str, tally: Tally) -> None:
         tally.unexpected.append(f"{status}: {text[:300]}")
 
 
-async def client_loop(daemon: Daemon, traffic: Traffic, tally: Tally, running: asyncio.Event,
-                      stop_at: float, seed: int) -> None:
+async def client_loop(daemon: SpawnedDaemon, traffic: Traffic, tally: Tally,
+                      running: asyncio.Event, stop_at: float, seed: int) -> None:
     rng = random.Random(seed)
     limits = httpx.Limits(max_connections=4)
     while time.monotonic() < stop_at:
@@ -229,7 +183,7 @@ async def client_loop(daemon: Daemon, traffic: Traffic, tally: Tally, running: a
                 await one_request(http, body, how, tally, rng)
 
 
-def register_pins(daemon: Daemon, traffic: Traffic) -> dict[str, int]:
+def register_pins(daemon: SpawnedDaemon, traffic: Traffic) -> dict[str, int]:
     pinned = {}
     for name, spec in traffic.specs.items():
         response = httpx.post(f"{daemon.url}/v1/pins", timeout=900, json={
@@ -240,12 +194,12 @@ def register_pins(daemon: Daemon, traffic: Traffic) -> dict[str, int]:
     return pinned
 
 
-def pins_listed(daemon: Daemon) -> dict[str, int]:
+def pins_listed(daemon: SpawnedDaemon) -> dict[str, int]:
     data = httpx.get(f"{daemon.url}/v1/pins", timeout=60).json()["data"]
     return {p["name"]: p["num_tokens"] for p in data}
 
 
-async def reporter(daemon: Daemon, tally: Tally, started: float, every_s: float,
+async def reporter(daemon: SpawnedDaemon, tally: Tally, started: float, every_s: float,
                    rss: list[float], stop_at: float) -> None:
     print(f"{'t':>6} {'rss MiB':>8} {'used':>5} {'cached':>6} {'pinned':>6} {'free':>5} "
           f"{'run':>4} {'wait':>4}  outcomes", flush=True)
@@ -267,16 +221,15 @@ async def reporter(daemon: Daemon, tally: Tally, started: float, every_s: float,
         print(f"{line}  {dict(tally.outcomes)}", flush=True)
 
 
-async def restarter(daemon: Daemon, running: asyncio.Event, every_s: float, stop_at: float,
-                    pinned: dict[str, int], log: list[str]) -> None:
+async def restarter(daemon: SpawnedDaemon, running: asyncio.Event, every_s: float,
+                    stop_at: float, pinned: dict[str, int], log: list[str]) -> None:
     hard = False
     while time.monotonic() + every_s < stop_at:
         await asyncio.sleep(every_s)
         hard = not hard
         running.clear()
         await asyncio.sleep(0.5)  # let clients see the gate; in-flight requests may still run
-        await asyncio.to_thread(daemon.stop, hard)
-        ready_s = await asyncio.to_thread(daemon.start)
+        ready_s = await asyncio.to_thread(restart, daemon, hard)
         listed = await asyncio.to_thread(pins_listed, daemon)
         kind = "kill -9" if hard else "graceful stop"
         ok = listed == pinned
@@ -287,7 +240,7 @@ async def restarter(daemon: Daemon, running: asyncio.Event, every_s: float, stop
 
 
 async def soak(args: argparse.Namespace, state_dir: Path) -> int:
-    daemon = Daemon(args, state_dir)
+    daemon = spawn(args, state_dir)
     traffic = Traffic(args.seed, args.abort_fraction, args.max_tokens, args.workloads.split(","))
     tally = Tally()
     rss: list[float] = []
@@ -309,11 +262,10 @@ async def soak(args: argparse.Namespace, state_dir: Path) -> int:
         return await asyncio.to_thread(final_check, daemon, tally, rss, restarts, pinned,
                                        time.monotonic() - started)
     finally:  # whatever happened, never leave a daemon behind
-        if daemon.process is not None and daemon.process.poll() is None:
-            daemon.stop(hard=False)
+        daemon.stop()
 
 
-def final_check(daemon: Daemon, tally: Tally, rss: list[float], restarts: list[str],
+def final_check(daemon: SpawnedDaemon, tally: Tally, rss: list[float], restarts: list[str],
                 pinned: dict[str, int], elapsed_s: float) -> int:
     deadline = time.monotonic() + 120
     while True:
@@ -366,7 +318,8 @@ def main() -> None:
                         help="comma-separated workloads to draw from (and pin)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--state-dir", type=Path, default=None,
-                        help="[default: a fresh temporary directory]")
+                        help="where the daemon keeps its state (in state/) and its log "
+                             "[default: a fresh temporary directory]")
     args = parser.parse_args()
     if args.state_dir is not None:
         args.state_dir.mkdir(parents=True, exist_ok=True)

@@ -14,9 +14,7 @@ in a thread instead, and ``poll`` waits for a condition.
 
 from __future__ import annotations
 
-import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -29,6 +27,8 @@ from typing import Any
 
 import pytest
 import torch
+
+from agentd.bench.spawn import DaemonNotReady, SpawnedDaemon, free_port
 
 QWEN_STYLE_TEMPLATE = """
 {%- if tools %}
@@ -164,84 +164,17 @@ def tiny_model_factory(tmp_path_factory, default_model_dir):
     return make
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+class DaemonProcess(SpawnedDaemon):
+    """:class:`agentd.bench.spawn.SpawnedDaemon` for tests: ``start()`` returns the daemon and
+    fails the test with its log if it does not come up; as a context manager it is started on
+    entry and stopped gracefully on exit, where it must exit 0."""
 
-
-class DaemonProcess:
-    """One ``python -m agentd.cli start`` on a free loopback port, with ``args`` appended.
-
-    ``start()`` waits for ``/health`` 200 (failing with the daemon's log); after ``kill()``
-    (SIGKILL, no cleanup at all) ``start()`` restarts it on the same port and state dir. Usable
-    as a context manager: started on entry, stopped gracefully on exit. The child sees none of
-    the caller's ``AGENTD_*`` variables, only ``env``.
-    """
-
-    def __init__(self, state_dir: Path, *args: str, env: dict[str, str] | None = None,
-                 ready_timeout_s: float = 300.0) -> None:
-        self.state_dir = Path(state_dir)
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        self.args = args
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")}
-        self.env.update(env or {})
-        self.ready_timeout_s = ready_timeout_s
-        self.log_path = self.state_dir.parent / f"{self.state_dir.name}-daemon.log"
-        self.process: subprocess.Popen | None = None
-
-    def start(self, wait: bool = True) -> DaemonProcess:
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "agentd.cli", "start", "--port", str(self.port),
-                 "--state-dir", str(self.state_dir), *self.args],
-                stdout=log, stderr=subprocess.STDOUT, env=self.env)
-        if wait:
-            self.wait_ready()
+    def start(self, wait: bool = True) -> DaemonProcess:  # type: ignore[override]
+        try:
+            super().start(wait)
+        except DaemonNotReady as exc:
+            pytest.fail(str(exc))
         return self
-
-    def wait_ready(self) -> None:
-        import httpx
-        import pytest
-
-        deadline = time.monotonic() + self.ready_timeout_s
-        while time.monotonic() < deadline:
-            assert self.process is not None and self.process.poll() is None, \
-                f"the daemon exited:\n{self.log()}"
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        self.kill()
-        pytest.fail(f"the daemon was not ready in {self.ready_timeout_s:.0f} s:\n{self.log()}")
-
-    def log(self) -> str:
-        """The last 3,000 characters of its stdout and stderr (every start appends)."""
-        return self.log_path.read_text(errors="replace")[-3000:]
-
-    def kill(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signal.SIGKILL)
-            self.process.wait(30)
-
-    def stop(self) -> int | None:
-        """Graceful stop (``POST /admin/shutdown``); its exit status, None if never started."""
-        import httpx
-
-        if self.process is None:
-            return None
-        if self.process.poll() is None:
-            try:
-                httpx.post(f"{self.url}/admin/shutdown", timeout=5)
-                self.process.wait(30)
-            except (httpx.HTTPError, subprocess.TimeoutExpired):
-                self.process.kill()
-                self.process.wait()
-        return self.process.returncode
 
     def cli(self, *args: str) -> subprocess.CompletedProcess:
         """Run ``agentd ARGS --url <this daemon>`` as a user would."""

@@ -330,7 +330,7 @@ def test_agents_starting_together_wait_for_the_first_prefill_instead_of_repeatin
     shared = prompt(1000, 40)  # 10 blocks that nobody has computed yet
     a = h.add("a", shared + [1, 2, 3], max_tokens=2)
     b = h.add("b", shared + [4, 5], max_tokens=2)
-    c = h.add("c", prompt(3000, 6), max_tokens=2)
+    h.add("c", prompt(3000, 6), max_tokens=2)
 
     out = h.step()  # b would compute a's 40 tokens again: it waits; c, behind it, goes ahead
     assert rows(out) == [("a", 0, 43, True), ("c", 0, 6, True)]

@@ -164,6 +164,23 @@ def tiny_model_factory(tmp_path_factory, default_model_dir):
     return make
 
 
+# Tests that run tiny models in-process run single-threaded: tiny models gain nothing from
+# threads, and on a busy 2-core machine OpenMP's spin-waiting makes a 2-thread forward of a tiny
+# model up to 100x slower.
+SINGLE_THREADED_DIRS = ("engine", "model")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread_for_tiny_models(request) -> Iterator[None]:
+    if request.path.parent.name not in SINGLE_THREADED_DIRS:
+        yield
+        return
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(num_threads)
+
+
 class DaemonProcess(SpawnedDaemon):
     """:class:`agentd.bench.spawn.SpawnedDaemon` for tests: ``start()`` returns the daemon and
     fails the test with its log if it does not come up; as a context manager it is started on

@@ -7,9 +7,9 @@ when prefilling in chunks); then waiting requests are admitted in order while th
 cache manager for the longest cached prefix, so only the uncached tail is prefilled; a pin's
 partial last block extends that prefix (``prefix_extension``): its slots are copied into the
 request's first new block before the step's forward (``SchedulerOutput.kv_copies``). A waiting
-request whose next uncached block a running request is still computing (agents that start
-together with the same new prompt) waits for it to be cached rather than compute it again; the
-requests behind it are admitted meanwhile.
+request whose next ``WAIT_FOR_TOKENS`` uncached tokens a running request is still computing
+(agents that start together with the same new prompt) waits for them to be cached rather than
+compute them again; the requests behind it are admitted meanwhile.
 
 Preemption rule: when a running request cannot get the blocks it needs, the most recently admitted
 running request is preempted: its blocks are freed (full ones stay cached) and it returns to the

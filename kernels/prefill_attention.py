@@ -8,6 +8,7 @@ query_start_loc[i+1] - 1``. Its new keys/values are already in the pool, so its 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -116,12 +117,8 @@ def torch_prefill_attention(
         else:
             queries = torch.cat([query[start:end] for start, end in call.rows])
         if low_precision:
-            attn = torch.cat([
-                matmul_attention(queries[row:row + num_rows], keys[first:first + num_keys],
-                                 values[first:first + num_keys], scale, num_keys - num_rows,
-                                 shared)
-                for row, (num_rows, first, num_keys) in zip(_row_starts(call.chunks), call.chunks,
-                                                            strict=True)])
+            attn = torch.cat([matmul_attention(rows, k, v, scale, cached, shared) for rows, k, v,
+                              cached in _each_chunk(queries, keys, values, call.chunks)])
         else:
             attn = sdpa_attention(queries, keys, values, call.chunks, scale, shared)
         row = 0
@@ -134,12 +131,14 @@ def torch_prefill_attention(
 Chunks = list[tuple[int, int, int]]  # per chunk: query rows, its first key, its number of keys
 
 
-def _row_starts(chunks: Chunks) -> list[int]:
-    starts, row = [], 0
-    for num_rows, _, _ in chunks:
-        starts.append(row)
+def _each_chunk(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                chunks: Chunks) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
+    """Each chunk's rows, its keys and values, and how many of those come before its rows."""
+    row = 0
+    for num_rows, first, num_keys in chunks:
+        yield (query[row:row + num_rows], keys[first:first + num_keys],
+               values[first:first + num_keys], num_keys - num_rows)
         row += num_rows
-    return starts
 
 
 def sdpa_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -162,19 +161,13 @@ def sdpa_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     flash = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
     cold = shared is None and len(chunks) == 1 and chunks[0][0] == chunks[0][2]
     if cold or flash is None or query.device.type != "cpu":
-        return torch.cat([
-            _sdpa_one_call(query[row:row + num_rows], keys[first:first + num_keys],
-                           values[first:first + num_keys], scale, num_keys - num_rows, shared)
-            for row, (num_rows, first, num_keys) in zip(_row_starts(chunks), chunks, strict=True)])
+        return torch.cat([_sdpa_one_call(rows, k, v, scale, cached, shared)
+                          for rows, k, v, cached in _each_chunk(query, keys, values, chunks)])
     own = []
-    for row, (num_rows, first, num_keys) in zip(_row_starts(chunks), chunks, strict=True):
-        rows = query[row:row + num_rows]
-        cached = first + num_keys - num_rows
-        parts = [_flash(flash, rows, keys[cached:first + num_keys],
-                        values[cached:first + num_keys], scale, is_causal=True)]
-        if cached > first:
-            parts.append(_flash_stacked(flash, rows, keys[first:cached], values[first:cached],
-                                        scale))
+    for rows, k, v, cached in _each_chunk(query, keys, values, chunks):
+        parts = [_flash(flash, rows, k[cached:], v[cached:], scale, is_causal=True)]
+        if cached:
+            parts.append(_flash_stacked(flash, rows, k[:cached], v[:cached], scale))
         own.append(_merge(parts))
     parts = [own[0] if len(own) == 1 else (torch.cat([o for o, _ in own]),
                                            torch.cat([lse for _, lse in own]))]

@@ -150,14 +150,13 @@ class PinRegistry:
                 self.kv_cache.block_size):
             raise ValueError("a pin's tail is a partial block: fewer tokens than a block, and "
                              "a block exactly when there are tokens")
-        held = [*block_ids, *([tail_block] if tail_block is not None else [])]
-        self.check_can_add(name, held)
-        self.kv_cache.touch(block_ids)
-        for block_id in held:
-            self._holders[block_id] = self._holders.get(block_id, 0) + 1
         pin = Pin(name, list(token_ids), list(block_ids), list(block_hashes), created_s, ttl_s,
                   now_s, meta=dict(meta or {}), tail_token_ids=list(tail_token_ids),
                   tail_block=tail_block)
+        self.check_can_add(name, pin.held_block_ids)
+        self.kv_cache.touch(block_ids)
+        for block_id in pin.held_block_ids:
+            self._holders[block_id] = self._holders.get(block_id, 0) + 1
         self._pins[name] = pin
         return pin
 

@@ -70,6 +70,9 @@ def _option(name: str, **kwargs: Any) -> Any:
          type=click.Choice(["onednn", "torch"]),
          help="CPU matmuls: oneDNN with packed weights, or torch's F.linear.")
 @_option("--no-prefix-caching", is_flag=True, help="Turn prefix (KV) caching off.")
+@_option("--no-jump-forward", is_flag=True,
+         help="Decode every token of a constrained output, even where the grammar allows only "
+              "one continuation (by default such text is appended without a step each).")
 @_option("--seed", default=_DEFAULTS["seed"], type=int, help="Seed for requests without one.")
 @_option("--num-threads", default=None, type=int, help="CPU threads for torch [default: all].")
 @_option("--api-key", multiple=True,
@@ -132,6 +135,7 @@ def engine_config(params: dict[str, Any]) -> EngineConfig:
             max_num_batched_tokens=params["max_num_batched_tokens"],
             max_model_len=params["max_model_len"],
             enable_prefix_caching=not params["no_prefix_caching"],
+            jump_forward=not params["no_jump_forward"],
             max_pinned_fraction=params["max_pinned_fraction"],
             attention_backend=params["attention_backend"], cpu_linear=params["cpu_linear"],
             seed=params["seed"],

@@ -260,17 +260,19 @@ def test_snapshot_of_another_model_is_recomputed_not_reused(tiny_model_factory, 
     assert entry["source"] == "recompute"
 
 
-def test_unreadable_registry_is_ignored(tiny_llama, tmp_path):
+def test_unreadable_registry_without_a_backup_is_reported_and_kept(tiny_llama, tmp_path):
     (tmp_path / "pins.json").write_text("{not json")
 
     async def run():
         engine = make_engine(tiny_llama)
         try:
-            assert await PinService(engine, tmp_path).restore_all() == []
+            [entry] = await PinService(engine, tmp_path).restore_all()
+            assert entry["name"] == "pins.json" and "unreadable" in entry["error"]
         finally:
             engine.shutdown()
 
     asyncio.run(run())
+    assert (tmp_path / "pins.json.rejected").read_text() == "{not json"
 
 
 def test_registry_write_failure_is_reported_and_pins_still_serve(tiny_llama, research, tmp_path):

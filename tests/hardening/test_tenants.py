@@ -11,6 +11,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 from litestar.testing import TestClient
 
@@ -111,3 +112,24 @@ def test_with_a_shared_cache_every_key_shares_the_pins(apps, idle) -> None:
     assert client.delete("/v1/pins/team", headers=auth(K2)).status_code == 200
     assert names(client, K1) == []
     idle(lambda path: client.get(path, headers=auth(K1)), num_pinned_ok=False)
+
+
+def test_an_admin_unpins_a_tenants_pin_from_the_cli(tiny, serve) -> None:
+    from click.testing import CliRunner
+
+    from agentd.cli import main
+
+    config, engine = tiny
+    settings = ServerSettings(api_keys=(K1, K2), admin_keys=(ADMIN,))
+    with serve(create_app(config, engine=engine, settings=settings)) as url:
+        made = httpx.post(f"{url}/v1/pins", headers=auth(K1), timeout=60,
+                          json={"name": "agent", "system": SYSTEMS[K1]})
+        assert made.status_code == 201, made.text
+        runner = CliRunner()
+        as_tenant = runner.invoke(main, ["unpin", "agent", "--owner", tenant_of(K1)],
+                                  env={"AGENTD_URL": url, "AGENTD_API_KEY": K2})
+        assert as_tenant.exit_code != 0 and "admin key" in as_tenant.output
+        as_admin = runner.invoke(main, ["unpin", "agent", "--owner", tenant_of(K1)],
+                                 env={"AGENTD_URL": url, "AGENTD_API_KEY": ADMIN})
+        assert as_admin.exit_code == 0, as_admin.output
+        assert httpx.get(f"{url}/v1/pins", headers=auth(K1)).json()["data"] == []

@@ -12,6 +12,8 @@ import logging
 import time
 from dataclasses import dataclass
 
+import torch
+
 from agentd.cache import KVCacheManager, PinKey
 from agentd.config import EngineConfig
 from agentd.detokenizer import IncrementalDetokenizer
@@ -161,10 +163,14 @@ class LLMEngine:
         return self.pins.restore_snapshot(pending, self.runner.kv_caches, payload,
                                           self.loaded.fingerprint)
 
-    def gather_pin_snapshot(self, key: PinKey | str) -> dict:
-        """A copy of the pin's KV and what identifies it, for a snapshot written elsewhere."""
+    def pin_snapshot_shape(self, key: PinKey | str) -> tuple[tuple[int, ...], torch.dtype]:
+        return self.pins.snapshot_shape(self.pins.registry.get(key), self.runner.kv_caches)
+
+    def gather_pin_snapshot(self, key: PinKey | str, out: torch.Tensor | None = None) -> dict:
+        """A copy of the pin's KV (into ``out`` when it fits) and what identifies it, for a
+        snapshot written elsewhere."""
         return self.pins.gather_snapshot(self.pins.registry.get(key), self.runner.kv_caches,
-                                         self.loaded.fingerprint)
+                                         self.loaded.fingerprint, out)
 
     def unpin(self, key: PinKey | str) -> None:
         """Drop a pin; its blocks become ordinary cached blocks. Raises PinNotFoundError."""

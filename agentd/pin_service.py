@@ -1,5 +1,6 @@
 """Pins as the daemon offers them: template-aware token selection, tenant name spaces, the
-persisted registry and KV snapshots (the files themselves are :mod:`agentd.pin_store`'s).
+persisted registry and KV snapshots (their files: :mod:`agentd.pin_store`,
+:mod:`agentd.pin_snapshots`).
 
 Invariants: a pin is reported registered only once its blocks are pinned in the engine; a
 snapshot is only reused when its checksum, model fingerprint, block size, cache salt and token ids
@@ -18,11 +19,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agentd import pin_store
+import torch
+
+from agentd import pin_snapshots, pin_store
 from agentd.async_engine import AsyncEngine
-from agentd.cache import PinError, PinKey, pin_key
+from agentd.cache import PinError, PinKey, PinNotFoundError, pin_key
 from agentd.chat import common_prefix_len, render_chat
-from agentd.pin_store import REGISTRY_FILE, PinSpec, SnapshotError
+from agentd.pin_snapshots import SnapshotError
+from agentd.pin_store import REGISTRY_FILE, PinSpec
 from agentd.pins import SnapshotMismatch, tenant_salt
 
 logger = logging.getLogger("agentd")
@@ -67,7 +71,7 @@ class PinService:
     def _snapshot_path(self, key: PinKey) -> Path | None:
         if self.state_dir is None:
             return None
-        return pin_store.snapshot_path(self.state_dir, self.engine.engine.loaded.fingerprint,
+        return pin_snapshots.snapshot_path(self.state_dir, self.engine.engine.loaded.fingerprint,
                                        self.block_size, key.owner, key.name)
 
     # --- operations ------------------------------------------------------------------------
@@ -169,14 +173,19 @@ class PinService:
             logger.error("pins are serving from memory only: %s", self.last_persist_error)
 
     async def _snapshot(self, spec: PinSpec) -> None:
-        """Gather the pin's KV on the engine thread (a copy, between steps), write it here."""
+        """Gather the pin's KV on the engine thread (a copy, between steps) into a buffer made
+        here, and write it from a worker thread."""
         key = PinKey(spec.owner, spec.name)
         path = self._snapshot_path(key)
         if path is None:
             return
         try:
-            payload = await self.engine.call(lambda e: e.gather_pin_snapshot(key))
+            shape, dtype = await self.engine.call(lambda e: e.pin_snapshot_shape(key))
+            buffer = await asyncio.to_thread(torch.zeros, shape, dtype=dtype)  # touch its pages
+            payload = await self.engine.call(lambda e: e.gather_pin_snapshot(key, buffer))
             await asyncio.to_thread(self._write_snapshot, spec, payload, path)
+        except PinNotFoundError:
+            return  # unpinned (or decayed) before its KV was gathered: nothing to keep
         except OSError as exc:
             self.last_persist_error = f"could not write the KV snapshot {path}: {exc}"
             logger.error("%s", self.last_persist_error)
@@ -186,11 +195,11 @@ class PinService:
         with self._files:
             if self.specs.get(PinKey(spec.owner, spec.name)) is not spec:
                 return  # unpinned (or replaced) while its KV was gathered
-            pin_store.write_snapshot(payload, path, self.state_dir)
+            pin_snapshots.write_snapshot(payload, path, self.state_dir)
 
     def _remove_snapshot(self, path: Path) -> None:
         with self._files:
-            pin_store.remove_snapshot(path)
+            pin_snapshots.remove_snapshot(path)
 
     def load_specs(self) -> list[PinSpec]:
         if self.state_dir is None:
@@ -209,7 +218,10 @@ class PinService:
         Then drop snapshots no entry names (and those of other models)."""
         if self.state_dir is None:
             return []
-        pin_store.tighten(self.state_dir)
+        try:
+            pin_store.tighten(self.state_dir)
+        except OSError as exc:  # not ours to change (another owner, read-only): say so, go on
+            logger.warning("could not make %s private: %s", self.state_dir, exc)
         self.remove_stale_temp_files()
         loaded = await asyncio.to_thread(pin_store.load_registry, self.state_dir)
         report: list[dict[str, Any]] = []
@@ -251,10 +263,10 @@ class PinService:
         token_ids = self._token_ids(spec)
         path = self._snapshot_path(key)
         reason = None
-        if path is not None and (path.exists() or pin_store.checksum_path(path).exists()):
+        if path is not None and (path.exists() or pin_snapshots.checksum_path(path).exists()):
             meta = {"system_chars": len(spec.system), "num_tools": len(spec.tools or [])}
             try:
-                payload = await asyncio.to_thread(pin_store.read_snapshot, path)
+                payload = await asyncio.to_thread(pin_snapshots.read_snapshot, path)
                 await self.engine.call(lambda e: e.restore_pin(
                     spec.name, token_ids, payload, spec.ttl_s, meta, owner=spec.owner,
                     cache_salt=tenant_salt(spec.owner)))
@@ -275,10 +287,14 @@ class PinService:
     def _remove_orphans(self) -> None:
         assert self.state_dir is not None
         keep = [self._snapshot_path(key) for key in [*self.specs, *self.unrestored]]
-        current = pin_store.snapshot_dir(self.state_dir, self.engine.engine.loaded.fingerprint,
+        current = pin_snapshots.snapshot_dir(self.state_dir, self.engine.engine.loaded.fingerprint,
                                          self.block_size)
-        removed = pin_store.remove_orphans(self.state_dir, current,
-                                           [p for p in keep if p is not None])
+        try:
+            removed = pin_snapshots.remove_orphans(self.state_dir, current,
+                                               [p for p in keep if p is not None])
+        except OSError as exc:
+            logger.warning("could not remove unused snapshots: %s", exc)
+            return
         if removed:
             logger.info("removed %d snapshot file(s) or directories no pin names: %s",
                         len(removed), ", ".join(str(p) for p in removed[:5]))

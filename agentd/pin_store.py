@@ -1,4 +1,5 @@
-"""Pins on disk: the registry (``pins.json``, its backup) and the KV snapshots, in the state dir.
+"""Pins on disk: the registry (``pins.json``, its backup), file permissions and atomic writes in
+the state dir (the KV snapshots' files are :mod:`agentd.pin_snapshots`').
 
 Invariants:
 - ``pins.json`` is always a complete document: written to a temp file, fsynced, renamed over the
@@ -6,16 +7,11 @@ Invariants:
   the one a write replaced, or the one a start loaded cleanly — and a start falls back to it
   when ``pins.json`` cannot be parsed. Entries are parsed one by one: a bad entry is skipped
   and reported, the rest are kept, and the file it came from is kept as ``pins.json.rejected``.
-- A snapshot is used only when its bytes hash to the xxh3-128 checksum stored beside it
-  (``NAME.pt.xxh3``, written after the snapshot); anything else is a ``SnapshotError`` and the
-  caller recomputes the pin.
-- Snapshot file names are an injective function of (owner, name): two pins never share a file.
 - The state dir and every directory here are 0700, every file 0600: they hold the prompts.
 """
 
 from __future__ import annotations
 
-import io
 import json
 import logging
 import os
@@ -27,22 +23,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-import torch
-import xxhash
-
 logger = logging.getLogger("agentd")
 REGISTRY_FILE = "pins.json"
 BACKUP_FILE = "pins.json.bak"
 REJECTED_FILE = "pins.json.rejected"
-CHECKSUM_SUFFIX = ".xxh3"
 PIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # always fullmatch
 _OWNER = re.compile(r"[0-9a-f]{1,64}")  # a tenant id (see agentd.server.state.tenant_of)
-_KEPT_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789.-")
 _FIELDS = ("name", "system", "tools", "ttl_s", "created", "prefill_s", "owner")
-
-
-class SnapshotError(Exception):
-    """A snapshot that cannot be used: missing checksum, wrong bytes, or not loadable."""
 
 
 @dataclass
@@ -117,123 +104,6 @@ def write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-
-
-# --- snapshots -----------------------------------------------------------------------------
-def file_stem(text: str) -> str:
-    """An injective, case-safe file name for ``text``: lowercase letters, digits, '-' and (but
-    first) '.' stay; every other byte of its UTF-8 becomes ``_xx`` (so ``abc_`` is ``abc_5f`` and
-    ``abc\\n`` is ``abc_0a``, and ``A`` never meets ``a`` on a case-insensitive disk)."""
-    return "".join(c if c in _KEPT_CHARS and (i or c != ".") else
-                   "".join(f"_{b:02x}" for b in c.encode()) for i, c in enumerate(text))
-
-
-def snapshot_dir(state_dir: Path, fingerprint: str, block_size: int) -> Path:
-    return state_dir / "kv" / f"{fingerprint}-b{block_size}"
-
-
-def snapshot_path(state_dir: Path, fingerprint: str, block_size: int, owner: str | None,
-                  name: str) -> Path:
-    """``kv/<fingerprint>-b<block size>/[tenant-<owner>/]<name>.pt``."""
-    base = snapshot_dir(state_dir, fingerprint, block_size)
-    if owner is not None:
-        base = base / f"tenant-{file_stem(owner)}"
-    return base / f"{file_stem(name)}.pt"
-
-
-def checksum_path(path: Path) -> Path:
-    return path.with_name(path.name + CHECKSUM_SUFFIX)
-
-
-class _HashingWriter:
-    """A write-only file that hashes what passes through (torch.save writes sequentially)."""
-
-    def __init__(self, f: IO[bytes]) -> None:
-        self.f = f
-        self.digest = xxhash.xxh3_128()
-        self.num_bytes = 0
-
-    def write(self, data: bytes) -> int:
-        self.digest.update(data)
-        self.num_bytes += len(data)
-        return self.f.write(data)
-
-    def flush(self) -> None:
-        self.f.flush()
-
-
-def write_snapshot(payload: dict[str, Any], path: Path, state_dir: Path) -> None:
-    """Write a gathered snapshot, then its checksum beside it (each atomically, 0600)."""
-    private_dir(path.parent, state_dir)
-    writer: list[_HashingWriter] = []
-
-    def save(f: IO[bytes]) -> None:
-        writer.append(_HashingWriter(f))
-        torch.save(payload, writer[0])
-        f.flush()
-        _test_pause()  # tests kill -9 the daemon here, with the snapshot half-committed
-
-    write_atomic(path, save)
-    checksum = {"xxh3_128": writer[0].digest.hexdigest(), "num_bytes": writer[0].num_bytes}
-    write_atomic(checksum_path(path), lambda f: f.write(json.dumps(checksum).encode()))
-    fsync_dir(path.parent)
-
-
-def read_snapshot(path: Path) -> dict[str, Any]:
-    """Load a snapshot whose bytes match its checksum; SnapshotError says why not."""
-    try:
-        checksum = json.loads(checksum_path(path).read_bytes())
-        expected, num_bytes = checksum["xxh3_128"], checksum["num_bytes"]
-    except FileNotFoundError:
-        raise SnapshotError("it has no checksum beside it") from None
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        raise SnapshotError(f"its checksum file is unreadable ({exc})") from None
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise SnapshotError(f"it cannot be read ({exc})") from None
-    if len(data) != num_bytes:
-        raise SnapshotError(f"it is {len(data)} bytes, its checksum says {num_bytes}")
-    if xxhash.xxh3_128_hexdigest(data) != expected:
-        raise SnapshotError("its bytes do not match its xxh3 checksum")
-    try:
-        payload = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as exc:  # any load failure means: recompute
-        raise SnapshotError(f"it cannot be loaded ({type(exc).__name__}: {exc})") from None
-    if not isinstance(payload, dict):
-        raise SnapshotError("it does not hold a snapshot")
-    return payload
-
-
-def remove_snapshot(path: Path) -> None:
-    for item in (path, checksum_path(path)):
-        item.unlink(missing_ok=True)
-
-
-def remove_orphans(state_dir: Path, current: Path, keep: Iterable[Path]) -> list[Path]:
-    """Delete snapshots in ``current`` that no registry entry names, and every other
-    ``kv/<fingerprint>-b<size>`` directory (models or block sizes no longer in use). Temp files
-    are left to ``remove_stale_temp_files``."""
-    kv = state_dir / "kv"
-    if not kv.is_dir():
-        return []
-    kept = {p for path in keep for p in (path, checksum_path(path))}
-    removed: list[Path] = []
-    for item in kv.iterdir():
-        if item != current and item.is_dir():
-            shutil.rmtree(item, ignore_errors=True)
-            removed.append(item)
-    if current.is_dir():
-        for item in sorted(current.rglob("*"), reverse=True):  # files before their dirs
-            if item.name.endswith(".tmp") or item in kept:
-                continue
-            if item.is_dir():
-                if not any(item.iterdir()):
-                    item.rmdir()
-            else:
-                item.unlink(missing_ok=True)
-                removed.append(item)
-    return removed
 
 
 # --- the registry --------------------------------------------------------------------------
@@ -375,11 +245,3 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # someone else's live process
         return True
     return True
-
-
-def _test_pause() -> None:
-    """Tests only: hold for ``$AGENTD_TEST_PAUSE_SNAPSHOT_S`` seconds in the middle of writing a
-    KV snapshot, so a test can ``kill -9`` the daemon with the snapshot half written."""
-    pause_s = os.environ.get("AGENTD_TEST_PAUSE_SNAPSHOT_S")
-    if pause_s:
-        time.sleep(float(pause_s))

@@ -73,9 +73,9 @@ def _option(name: str, **kwargs: Any) -> Any:
 @_option("--seed", default=_DEFAULTS["seed"], type=int, help="Seed for requests without one.")
 @_option("--num-threads", default=None, type=int, help="CPU threads for torch [default: all].")
 @_option("--api-key", multiple=True,
-         help="Require 'Authorization: Bearer KEY' on /v1 and /admin routes. Repeat it (or "
-              "separate keys with commas) for several keys; each key then gets its own "
-              "prefix cache unless --shared-cache.")
+         help="Require 'Authorization: Bearer KEY' on /v1, /admin and /metrics. Repeat it "
+              "(or separate keys with commas) for several keys; each key is then a tenant "
+              "with its own prefix cache and pins unless --shared-cache.")
 @_option("--shared-cache", is_flag=True,
          help="With several API keys, let them share cached prefixes and pins.")
 @_option("--admin-key", multiple=True,

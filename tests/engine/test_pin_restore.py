@@ -14,7 +14,6 @@ import asyncio
 import json
 import os
 import shutil
-import zipfile
 from collections.abc import Awaitable, Callable
 from importlib import resources
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import Any
 import pytest
 import xxhash
 
-from agentd import pin_store
+from agentd import pin_snapshots
 from agentd.async_engine import AsyncEngine
 from agentd.chat import render_chat
 from agentd.config import EngineConfig
@@ -109,21 +108,17 @@ def restored_and_replies(model: Path, state_dir: Path, **config: Any) -> tuple[l
 
 # --- 1. KV snapshots: checksum, load errors, mismatches --------------------------------------
 def _flip_kv_sign_bits(path: Path) -> None:
-    """Flip the sign bit of every float of the largest tensor: a file that still loads."""
-    with zipfile.ZipFile(path) as archive:
-        info = max(archive.infolist(), key=lambda i: i.file_size)
+    """Flip the sign bit of the floats in the middle half of the file — all KV data, 4-byte
+    aligned in any snapshot format: a file that still loads, with every value negated."""
     data = bytearray(path.read_bytes())
-    header = info.header_offset  # a local file header: 30 bytes, the name, an extra field
-    start = header + 30 + int.from_bytes(data[header + 26:header + 28], "little") + \
-        int.from_bytes(data[header + 28:header + 30], "little")
-    for index in range(start + 3, start + info.file_size, 4):  # little-endian fp32: byte 3
+    for index in range(len(data) // 4 // 4 * 4 + 3, len(data) * 3 // 4, 4):
         data[index] ^= 0x80
     path.write_bytes(bytes(data))
 
 
 def _with_a_matching_checksum(path: Path, content: bytes) -> None:
     path.write_bytes(content)
-    pin_store.checksum_path(path).write_text(json.dumps(
+    pin_snapshots.checksum_path(path).write_text(json.dumps(
         {"xxh3_128": xxhash.xxh3_128_hexdigest(content),
          "num_bytes": len(content)}))
 
@@ -134,14 +129,14 @@ CORRUPTIONS: dict[str, tuple[Callable[[Path, Path], None], str]] = {
                   "its checksum says"),
     "random bytes": (lambda path, other: path.write_bytes(os.urandom(path.stat().st_size)),
                      "do not match"),
-    "no checksum": (lambda path, other: pin_store.checksum_path(path).unlink(),
+    "no checksum": (lambda path, other: pin_snapshots.checksum_path(path).unlink(),
                     "no checksum"),
-    "not a pickle, checksum right": (
+    "not a snapshot, checksum right": (
         lambda path, other: _with_a_matching_checksum(path, b"not a snapshot at all\n"),
         "cannot be loaded"),
     "another pin's snapshot": (
         lambda path, other: [shutil.copy(other, path), shutil.copy(
-            pin_store.checksum_path(other), pin_store.checksum_path(path))],
+            pin_snapshots.checksum_path(other), pin_snapshots.checksum_path(path))],
         "tokens differ"),
 }
 
@@ -160,7 +155,7 @@ def test_a_damaged_snapshot_is_recomputed_and_the_report_says_why(model, first_l
         num_cached, reply = replies[name]
         assert num_cached >= info["num_tokens"]
         assert reply == first_life["replies"][name]
-    assert pin_store.read_snapshot(snapshot_of(state, "alpha"))["kv"].numel()  # rewritten whole
+    assert pin_snapshots.read_snapshot(snapshot_of(state, "alpha"))["kv"].numel()  # rewritten whole
 
 
 # --- 2. another model with the same shapes -----------------------------------------------------
@@ -333,10 +328,10 @@ def test_older_looser_files_are_tightened_at_start(model, state) -> None:
 def test_snapshot_file_names_are_injective() -> None:
     names = ["abc\n", "abc_", "abc_0a", "ABC", "abc", "Abc", "a.b", "a-b", "a_b", "ä", "_c3_a4",
              "a/b", "..", "abc\r\n"]
-    stems = [pin_store.file_stem(n) for n in names]
+    stems = [pin_snapshots.file_stem(n) for n in names]
     assert len(set(stems)) == len(names), dict(zip(names, stems, strict=True))
     assert len({s.lower() for s in stems}) == len(names)  # a case-insensitive disk too
     assert all("/" not in s and s not in (".", "..") for s in stems)
-    paths = {pin_store.snapshot_path(Path("/s"), "fp", 16, owner, "p")
+    paths = {pin_snapshots.snapshot_path(Path("/s"), "fp", 16, owner, "p")
              for owner in (None, "ab", "ab12")}
     assert len(paths) == 3

@@ -49,6 +49,7 @@ from typing import Any
 import httpx
 
 from agentd.bench.spawn import SpawnedDaemon
+from agentd.pin_snapshots import file_stem
 
 WORKLOADS = ("coding_agent", "support_agent", "research_agent")
 READY_TIMEOUT_S = 900.0
@@ -248,7 +249,7 @@ async def restarter(daemon: SpawnedDaemon, running: asyncio.Event, every_s: floa
 
 # --- damage on disk between restarts -----------------------------------------------------------
 def _snapshot(state: Path, name: str, suffix: str = ".pt") -> Path:
-    (path,) = state.glob(f"kv/*/{name}{suffix}")
+    (path,) = state.glob(f"kv/*/{file_stem(name)}{suffix}")
     return path
 
 

@@ -55,19 +55,13 @@ def cached(client: TestClient, system: str, key: str | None = None,
 
 
 @pytest.fixture(scope="module")
-def clients(tiny) -> Iterator[dict[str, TestClient]]:
+def clients(tiny, app_clients) -> Iterator[dict[str, TestClient]]:
     """Apps over one engine (so one pool): open, one key, two keys, two keys sharing."""
-    config, engine = tiny
-    settings = {"open": ServerSettings(), "one key": ServerSettings(api_keys=KEYS[:1]),
-                "two keys": ServerSettings(api_keys=KEYS),
-                "shared": ServerSettings(api_keys=KEYS, shared_cache=True)}
-    opened = {name: TestClient(create_app(config, engine=engine, settings=s))
-              for name, s in settings.items()}
-    for client in opened.values():
-        client.__enter__()
-    yield opened
-    for client in opened.values():
-        client.__exit__(None, None, None)
+    with app_clients(tiny, {"open": ServerSettings(),
+                            "one key": ServerSettings(api_keys=KEYS[:1]),
+                            "two keys": ServerSettings(api_keys=KEYS),
+                            "shared": ServerSettings(api_keys=KEYS, shared_cache=True)}) as clients:
+        yield clients
 
 
 def test_explicit_cache_salt_hits_only_within_the_salt(clients, idle) -> None:

@@ -28,17 +28,11 @@ def auth(key: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def apps(tiny) -> Iterator[dict[str, TestClient]]:
-    config, engine = tiny
-    settings = {"tenants": ServerSettings(api_keys=(K1, K2), admin_keys=(ADMIN,)),
-                "shared": ServerSettings(api_keys=(K1, K2), shared_cache=True)}
-    clients = {name: TestClient(create_app(config, engine=engine, settings=s))
-               for name, s in settings.items()}
-    for client in clients.values():
-        client.__enter__()
-    yield clients
-    for client in clients.values():
-        client.__exit__(None, None, None)
+def apps(tiny, app_clients) -> Iterator[dict[str, TestClient]]:
+    with app_clients(tiny, {
+            "tenants": ServerSettings(api_keys=(K1, K2), admin_keys=(ADMIN,)),
+            "shared": ServerSettings(api_keys=(K1, K2), shared_cache=True)}) as clients:
+        yield clients
 
 
 def cached(client: TestClient, key: str, system: str) -> int:

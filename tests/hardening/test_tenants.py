@@ -127,3 +127,21 @@ def test_an_admin_unpins_a_tenants_pin_from_the_cli(tiny, serve) -> None:
                                  env={"AGENTD_URL": url, "AGENTD_API_KEY": ADMIN})
         assert as_admin.exit_code == 0, as_admin.output
         assert httpx.get(f"{url}/v1/pins", headers=auth(K1)).json()["data"] == []
+
+
+def test_status_with_a_tenants_key_says_what_it_may_see(tiny, serve) -> None:
+    from click.testing import CliRunner
+
+    from agentd.cli import main
+
+    config, engine = tiny
+    settings = ServerSettings(api_keys=(K1, K2), admin_keys=(ADMIN,))
+    with serve(create_app(config, engine=engine, settings=settings)) as url:
+        runner = CliRunner()
+        tenant = runner.invoke(main, ["status"], env={"AGENTD_URL": url, "AGENTD_API_KEY": K1})
+        assert tenant.exit_code == 0, tenant.output
+        assert "running" in tenant.output and "need an admin key" in tenant.output
+        assert "tiny-llama" in tenant.output
+        admin = runner.invoke(main, ["status", "--json"],
+                              env={"AGENTD_URL": url, "AGENTD_API_KEY": ADMIN})
+        assert admin.exit_code == 0 and "num_blocks_used" in admin.output

@@ -76,11 +76,17 @@ def _option(name: str, **kwargs: Any) -> Any:
 @_option("--seed", default=_DEFAULTS["seed"], type=int, help="Seed for requests without one.")
 @_option("--num-threads", default=None, type=int, help="CPU threads for torch [default: all].")
 @_option("--api-key", multiple=True,
-         help="Require 'Authorization: Bearer KEY' on /v1 and /admin routes. Repeat it (or "
-              "separate keys with commas) for several keys; each key then gets its own "
-              "prefix cache unless --shared-cache.")
+         help="Require 'Authorization: Bearer KEY' on /v1, /admin and /metrics. Repeat it "
+              "(or separate keys with commas) for several keys; each key is then a tenant "
+              "with its own prefix cache and pins unless --shared-cache.")
 @_option("--shared-cache", is_flag=True,
          help="With several API keys, let them share cached prefixes and pins.")
+@_option("--admin-key", multiple=True,
+         help="A key for the operator (repeat or comma-separate for several): with several "
+              "--api-key tenants only admin keys reach /admin, /v1/stats, /metrics and every "
+              "tenant's pins; an admin key's own pins and requests use the shared cache.")
+@_option("--metrics-public", is_flag=True,
+         help="Serve /metrics without a key even when keys are set.")
 @_option("--max-queue", default=256, type=click.IntRange(min=0),
          help="Requests that may wait beyond a full batch; past that, 503 with Retry-After.")
 @_option("--max-request-body", default="16MiB", help="Largest request body accepted (413).")
@@ -108,7 +114,8 @@ def command(**params: Any) -> None:
     url = display_url(host, port)
     if params["detach"]:
         sock.close()  # the daemon binds it again
-        detach(_child_args(params), ",".join(api_keys(params)) or None, paths, url)
+        detach(_child_args(params), ",".join(api_keys(params)) or None, paths, url,
+               admin_key=",".join(api_keys(params, "admin_key")) or None)
         return
     _setup_logging(params["log_level"])
     paths.write_pid(os.getpid())
@@ -153,6 +160,8 @@ def server_settings(params: dict[str, Any], state_dir: Path | None = None) -> An
     try:
         return ServerSettings(
             api_keys=api_keys(params),
+            admin_keys=api_keys(params, "admin_key"),
+            metrics_public=params["metrics_public"],
             max_queue=params["max_queue"],
             shared_cache=params["shared_cache"],
             max_request_body_bytes=parse_size(params["max_request_body"]),
@@ -163,9 +172,9 @@ def server_settings(params: dict[str, Any], state_dir: Path | None = None) -> An
         raise click.ClickException(f"{exc} (see `agentd start --help`)") from None
 
 
-def api_keys(params: dict[str, Any]) -> tuple[str, ...]:
+def api_keys(params: dict[str, Any], option: str = "api_key") -> tuple[str, ...]:
     """Every key given, whether repeated or comma-separated (``AGENTD_API_KEY=k1,k2`` too)."""
-    return tuple(key.strip() for value in params["api_key"] or () for key in value.split(",")
+    return tuple(key.strip() for value in params[option] or () for key in value.split(",")
                  if key.strip())
 
 
@@ -193,12 +202,12 @@ def check_model(model: str | None) -> None:
 
 
 def _child_args(params: dict[str, Any]) -> list[str]:
-    """The options of a detached daemon: this command's, without --detach or the API key
-    (that travels in the environment, out of `ps`)."""
+    """The options of a detached daemon: this command's, without --detach or the API and admin
+    keys (they travel in the environment, out of `ps`)."""
     args: list[str] = []
     for param in command.params:
         name = param.name
-        if name in ("detach", "api_key") or not isinstance(param, click.Option):
+        if name in ("detach", "api_key", "admin_key") or not isinstance(param, click.Option):
             continue
         value = params[name]
         if name == "state_dir":

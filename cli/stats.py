@@ -150,7 +150,10 @@ def _restore(report: list[dict[str, Any]]) -> Any:
             table.add_row(entry["name"], f"[red]failed: {escape(entry['error'])}[/]", "", "", "")
             continue
         prefill = entry.get("prefill_s")
-        table.add_row(entry["name"], entry["source"], str(entry["num_tokens"]),
+        source = entry["source"]
+        if entry.get("snapshot_error"):  # the snapshot was there but unusable
+            source += f" (snapshot unusable: {escape(entry['snapshot_error'])})"
+        table.add_row(entry["name"], source, str(entry["num_tokens"]),
                       f"{entry['elapsed_s']:.3f} s", "-" if prefill is None else f"{prefill:.3f} s")
     return table
 

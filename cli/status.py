@@ -35,7 +35,11 @@ def command(ctx: click.Context, url: str, as_json: bool) -> None:
         ctx.exit(NOT_RUNNING)
     report: dict[str, Any] = {"running": True, "url": client.url, **health}
     if health.get("status") == "ready":
-        report["stats"] = client.json("GET", "/v1/stats")
+        stats = client.request("GET", "/v1/stats")
+        if stats.status_code == 403:  # a tenant's key on a multi-tenant daemon: no pool figures
+            report["stats_note"] = "pool and request figures need an admin key"
+        else:
+            report["stats"] = client.json("GET", "/v1/stats")
         report["models"] = [m["id"] for m in client.json("GET", "/v1/models")["data"]]
     if as_json:
         click.echo(json.dumps(report, indent=2))
@@ -58,6 +62,10 @@ def _print_table(report: dict[str, Any]) -> None:
     stats = report.get("stats")
     if stats is not None:
         _stats_rows(table, stats)
+    elif report.get("models"):
+        table.add_row("model", ", ".join(report["models"]))
+    if report.get("stats_note"):
+        table.add_row("note", report["stats_note"])
     Console().print(table)
 
 

@@ -122,7 +122,7 @@ def tiny_config(model_type: str, vocab_size: int = 49152):
 def build_tiny_model(root: Path, model_type: str, tokenizer_dir: Path, seed: int = 0) -> Path:
     import transformers
 
-    path = root / f"tiny-{model_type}"
+    path = root / (f"tiny-{model_type}" + (f"-seed{seed}" if seed else ""))
     if path.exists():
         return path
     torch.manual_seed(seed)
@@ -157,8 +157,9 @@ def chat_templates() -> dict[str, str]:
 def tiny_model_factory(tmp_path_factory, default_model_dir):
     root = tmp_path_factory.mktemp("tiny-models")
 
-    def make(model_type: str, template: str | None = None) -> Path:
-        path = build_tiny_model(root, model_type, default_model_dir)
+    def make(model_type: str, template: str | None = None, seed: int = 0) -> Path:
+        """``seed``: another draw of the same shapes (other weights, same config)."""
+        path = build_tiny_model(root, model_type, default_model_dir, seed)
         return path if template is None else with_chat_template(path, template)
 
     return make

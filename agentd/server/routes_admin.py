@@ -17,7 +17,7 @@ from litestar.datastructures import State
 
 from agentd import __version__
 from agentd.server.metrics import CONTENT_TYPE
-from agentd.server.state import require_api_key, server_of
+from agentd.server.state import require_metrics_access, require_operator, server_of
 from agentd.server.stats import stats_report
 
 
@@ -34,14 +34,15 @@ def health(state: State) -> Response[dict[str, Any]]:
     return Response(body, status_code=200 if server.status == "ready" else 503)
 
 
-@get("/metrics", summary="Prometheus metrics (vLLM names)", tags=["Admin"], sync_to_thread=False)
+@get("/metrics", summary="Prometheus metrics (vLLM names)", tags=["Admin"], sync_to_thread=False,
+     guards=[require_metrics_access])
 def metrics(state: State) -> Response[bytes]:
     server = server_of(state)
     return Response(server.metrics.render(), media_type=CONTENT_TYPE)
 
 
 class AdminController(Controller):
-    guards = [require_api_key]
+    guards = [require_operator]
     tags = ["Admin"]
 
     @get("/v1/stats", summary="Engine, pool, cache-hit, TTFT and pin statistics",

@@ -91,6 +91,24 @@ def test_status_and_stop_without_a_daemon(runner: CliRunner) -> None:
     assert "no agentd daemon at" in one_error_line(stop)
 
 
+def test_an_older_looser_state_dir_is_made_private(tmp_path) -> None:
+    from agentd.cli._state import StatePaths
+
+    paths = StatePaths(tmp_path / "state")
+    paths.root.mkdir(mode=0o755)
+    paths.root.chmod(0o755)
+    paths.log_file.write_text("an old log\n")
+    paths.log_file.chmod(0o644)
+    with paths.open_log() as log:
+        log.write(b"more\n")
+    paths.write_pid(123)
+    paths.write_daemon_info({"pid": 123})
+    assert paths.log_file.read_text() == "an old log\nmore\n"
+    assert paths.root.stat().st_mode & 0o777 == 0o700
+    for path in (paths.log_file, paths.pid_file, paths.daemon_file):
+        assert path.stat().st_mode & 0o777 == 0o600, path
+
+
 @pytest.fixture
 def detached(runner: CliRunner, monkeypatch, tmp_path, tiny_model_factory,
              free_port) -> Iterator[dict]:
@@ -120,6 +138,9 @@ def test_detach_status_stop_round_trip(runner: CliRunner, detached: dict) -> Non
     pid = int((state / "agentd.pid").read_text())
     assert (state / "agentd.log").exists()
     assert json.loads((state / "daemon.json").read_text())["pid"] == pid
+    assert state.stat().st_mode & 0o777 == 0o700  # they hold prompts: the owner's only
+    for name in ("agentd.log", "agentd.pid", "daemon.json"):
+        assert (state / name).stat().st_mode & 0o777 == 0o600, name
 
     status = runner.invoke(main, ["status"])
     assert status.exit_code == 0, status.output

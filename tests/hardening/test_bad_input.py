@@ -302,6 +302,9 @@ PIN_CASES: dict[str, Case] = {
     "blank system": Case(PINS, {"name": "p1", "system": "  \n "}, param="system"),
     "missing name": Case(PINS, {"system": SYSTEM}, says=("name",)),
     "bad name": Case(PINS, {"name": "../etc/passwd", "system": SYSTEM}, param="name"),
+    "name ending in a newline": Case(PINS, {"name": "abc\n", "system": SYSTEM}, param="name"),
+    "name ending in CR LF": Case(PINS, {"name": "abc\r\n", "system": SYSTEM}, param="name"),
+    "name of 65 characters": Case(PINS, {"name": "a" * 65, "system": SYSTEM}, param="name"),
     "system a number": Case(PINS, {"name": "p1", "system": 5}, param="system"),
     "tools an object": Case(PINS, {"name": "p1", "system": SYSTEM, "tools": TOOL},
                             param="tools"),
@@ -316,6 +319,7 @@ PIN_CASES: dict[str, Case] = {
     "invalid utf-8": Case(PINS, b'{"name": "p1", "system": "\xff"}', headers=JSON),
     "unknown pin": Case(f"{PINS}/no-such-pin", None, status=404, method="GET"),
     "delete unknown pin": Case(f"{PINS}/no-such-pin", None, status=404, method="DELETE"),
+    "delete a name with a newline": Case(f"{PINS}/abc%0A", None, status=404, method="DELETE"),
 }
 
 
@@ -343,6 +347,21 @@ def test_duplicate_pin_is_409_and_the_first_still_serves(client: TestClient, ope
         assert report["num_blocks_pinned"] == created.json()["num_blocks"]
     finally:
         assert client.delete(f"{PINS}/dup").status_code == 200
+    idle(client.get, num_pinned_ok=False)
+
+
+def test_a_name_with_a_newline_never_reaches_a_pin_of_a_similar_name(client: TestClient,
+                                                                    openai_error, idle) -> None:
+    """``abc\\n`` and ``abc_`` once shared a snapshot file: deleting one deleted the other's."""
+    created = client.post(PINS, json={"name": "abc_", "system": SYSTEM})
+    assert created.status_code == 201, created.text
+    try:
+        openai_error(client.post(PINS, json={"name": "abc\n", "system": SYSTEM + " x"}), 400)
+        openai_error(client.delete(f"{PINS}/abc%0A"), 404)
+        openai_error(client.get(f"{PINS}/abc%0A"), 404)
+        assert [p["name"] for p in client.get(PINS).json()["data"]] == ["abc_"]
+    finally:
+        assert client.delete(f"{PINS}/abc_").status_code == 200
     idle(client.get, num_pinned_ok=False)
 
 

@@ -120,7 +120,7 @@ def keyed_client(tiny) -> Iterator[TestClient]:
         yield test_client
 
 
-def test_api_key_guards_v1_and_admin_but_not_health(keyed_client: TestClient) -> None:
+def test_api_key_guards_v1_admin_and_metrics_but_not_health(keyed_client: TestClient) -> None:
     for method, path in (("GET", "/v1/models"), ("GET", "/v1/stats"),
                          ("POST", "/admin/shutdown"), ("POST", "/v1/chat/completions")):
         error = assert_openai_error(keyed_client.request(method, path), 401)
@@ -130,4 +130,6 @@ def test_api_key_guards_v1_and_admin_but_not_health(keyed_client: TestClient) ->
     ok = keyed_client.get("/v1/models", headers={"Authorization": "Bearer sk-test"})
     assert ok.status_code == 200
     assert keyed_client.get("/health").status_code == 200
-    assert keyed_client.get("/metrics").status_code == 200
+    assert_openai_error(keyed_client.get("/metrics"), 401)  # it names the pins
+    assert keyed_client.get("/metrics", headers={"Authorization": "Bearer sk-test"}
+                            ).status_code == 200

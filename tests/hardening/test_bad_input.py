@@ -38,6 +38,13 @@ class Case:
     headers: dict[str, str] = field(default_factory=dict)
 
 
+def nested(depth: int) -> dict[str, Any]:
+    value: dict[str, Any] = {}
+    for _ in range(depth):
+        value = {"a": value}
+    return value
+
+
 def chat(**fields: Any) -> dict[str, Any]:
     return {"model": "tiny-llama", "messages": USER, "max_tokens": 2, **fields}
 
@@ -61,6 +68,20 @@ CASES: dict[str, Case] = {
     "lone surrogate escape": Case(
         CHAT, b'{"messages": [{"role": "user", "content": "\\ud800"}], "max_tokens": 2}',
         headers=JSON),
+    "10k-deep array in an unknown field": Case(
+        CHAT, b'{"messages": [{"role": "user", "content": "hi"}], "x": ' + b"[" * 10_000
+        + b"]" * 10_000 + b"}", headers=JSON, says=("nests too deeply",)),
+    "10k-deep object in a tool schema": Case(
+        CHAT, json.dumps(chat(tools=[{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object", "properties": "DEEP"}}}]))
+        .replace('"DEEP"', '{"a": ' * 10_000 + "1" + "}" * 10_000).encode(), headers=JSON,
+        says=("nests too deeply",)),
+    "900-deep object in a tool schema": Case(
+        CHAT, chat(tools=[{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": nested(900)}}}}])),
+    "10k-deep array in a completion": Case(
+        COMPLETIONS, b'{"prompt": "x", "x": ' + b"[" * 10_000 + b"]" * 10_000 + b"}",
+        headers=JSON, says=("nests too deeply",)),
     # --- wrong types
     "max_tokens a string": Case(CHAT, chat(max_tokens="ten"), param="max_tokens"),
     "max_tokens a bool": Case(CHAT, chat(max_tokens=True), param="max_tokens"),
@@ -297,6 +318,8 @@ PIN_CASES: dict[str, Case] = {
     "system over the context": Case(PINS, {"name": "p1", "system": LONG_TEXT},
                                     code="context_length_exceeded", says=("4096",)),
     "malformed json": Case(PINS, b'{"name": ', headers=JSON),
+    "10k-deep tools": Case(PINS, b'{"name": "p1", "system": "s", "tools": ' + b"[" * 10_000
+                           + b"]" * 10_000 + b"}", headers=JSON, says=("nests too deeply",)),
     "invalid utf-8": Case(PINS, b'{"name": "p1", "system": "\xff"}', headers=JSON),
     "unknown pin": Case(f"{PINS}/no-such-pin", None, status=404, method="GET"),
     "delete unknown pin": Case(f"{PINS}/no-such-pin", None, status=404, method="DELETE"),

@@ -147,12 +147,20 @@ class _SpecialTextGuard:
         for i, piece in enumerate(pieces):
             if i % 2:  # a placeholder: its special token's string as plain text
                 piece = self.specials[int(piece)]
-                token_ids += self.tokenizer(piece, add_special_tokens=False,
-                                            split_special_tokens=True).input_ids
+                token_ids += self._plain_ids(piece)
             elif piece:
                 token_ids += self.tokenizer(piece, add_special_tokens=False).input_ids
             pieces[i] = piece
         return RenderedPrompt("".join(pieces), token_ids)
+
+    def _plain_ids(self, text: str) -> list[int]:
+        """``text``'s tokens with no special token matched: its first character apart from the
+        rest until no part holds a special token's string. (Not ``split_special_tokens``: that
+        flips a flag on the shared Rust tokenizer, which other threads tokenise with.)"""
+        assert self.pattern is not None
+        if len(text) == 1 or self.pattern.search(text) is None:
+            return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        return self._plain_ids(text[0]) + self._plain_ids(text[1:])
 
 
 @lru_cache(maxsize=8)

@@ -391,9 +391,9 @@ def test_special_tokens_in_a_user_message_are_text_and_a_pin_still_hits(client: 
             usage[name] = reply.json()["usage"]
         assert usage["attack"]["prompt_tokens_details"]["cached_tokens"] >= \
             created.json()["num_tokens"]
-        plain_ids = tokenizer(attack, add_special_tokens=False, split_special_tokens=True)
+        # one token for each of its ~23 special strings would leave the difference far smaller
         assert usage["attack"]["prompt_tokens"] - usage["benign"]["prompt_tokens"] >= \
-            len(plain_ids.input_ids) - 2
+            len(attack) // 4
     finally:
         assert client.delete(f"{PINS}/forge").status_code == 200
     idle(client.get, num_pinned_ok=False)

@@ -31,6 +31,7 @@ from litestar.handlers import BaseRouteHandler
 
 from agentd.config import EngineConfig
 from agentd.server.errors import APIError
+from agentd.server.intake import UnknownFields
 from agentd.server.metrics import EngineSnapshot, ServerMetrics
 
 if TYPE_CHECKING:
@@ -86,6 +87,7 @@ class ServerState:
         self.pid = os.getpid()
         self.request_exit: Callable[[int], None] = request_exit or (lambda code: None)
         self.metrics = ServerMetrics(self._stats_snapshot)
+        self.unknown_fields = UnknownFields()  # logged once per name
         self._loader: threading.Thread | None = None
         self._abort_timer: threading.Timer | None = None
         self._close_lock = threading.Lock()

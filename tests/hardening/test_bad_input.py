@@ -9,6 +9,7 @@ so small that dividing logits by them overflows, the largest seeds, a huge top_k
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -396,4 +397,43 @@ def test_special_tokens_in_a_user_message_are_text_and_a_pin_still_hits(client: 
             len(attack) // 4
     finally:
         assert client.delete(f"{PINS}/forge").status_code == 200
+    idle(client.get, num_pinned_ok=False)
+
+
+def test_unknown_fields_are_served_and_logged_once_per_name(client: TestClient, caplog,
+                                                            idle) -> None:
+    """As vLLM does: agent frameworks send extras, so they are served, and each unknown name
+    is logged once per route, however often it comes."""
+    caplog.set_level(logging.WARNING, logger="agentd.server")
+    for _ in range(3):
+        for path, body in ((CHAT, chat(max_tokens=1)), (COMPLETIONS, {"prompt": "x",
+                                                                      "max_tokens": 1})):
+            response = client.post(path, json={**body, "framework_trace_id": "t",
+                                               "parallel_hint": {"x": [1]}})
+            assert response.status_code == 200, response.text
+    logged = sorted(r.getMessage().split(":")[0] + " " + r.getMessage().split("'")[1]
+                    for r in caplog.records if "unknown field" in r.getMessage())
+    assert logged == [f"{path} {name}" for path in (CHAT, COMPLETIONS)
+                      for name in ("framework_trace_id", "parallel_hint")]
+    idle(client.get, num_pinned_ok=False)
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+def test_a_10_mb_prompt_is_refused_by_its_length_before_it_is_tokenised(
+        client: TestClient, path: str, monkeypatch, openai_error, idle) -> None:
+    """Its characters bound its tokens from below (no token spells more characters than the
+    vocabulary's longest), so it is refused without templating or tokenising it."""
+    from agentd.server import routes_openai
+
+    def never(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a prompt that cannot fit was rendered or tokenised")
+
+    monkeypatch.setattr(routes_openai, "plan_chat", never)
+    monkeypatch.setattr(routes_openai, "plan_completion", never)
+    text = "agents " * (10 * 2**20 // 7)
+    body = chat(messages=[{"role": "user", "content": text}]) if path == CHAT else \
+        {"prompt": text}
+    error = openai_error(client.post(path, json=body), 400)
+    assert error["code"] == "context_length_exceeded" and "characters" in error["message"]
+    assert str(MAX_MODEL_LEN) in error["message"]
     idle(client.get, num_pinned_ok=False)

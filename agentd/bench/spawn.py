@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 
 from agentd.bench.rss import read_status_bytes
+from agentd.server.web_guard import TOKEN_FILE, TOKEN_HEADER
 
 
 class DaemonNotReady(RuntimeError):
@@ -103,9 +104,11 @@ class SpawnedDaemon:
             return None
         if self.process.poll() is None:
             try:
-                httpx.post(f"{self.url}/admin/shutdown", timeout=5)
+                token = (self.state_dir / TOKEN_FILE).read_text().strip()
+                httpx.post(f"{self.url}/admin/shutdown", headers={TOKEN_HEADER: token},
+                           timeout=5)
                 self.process.wait(60)
-            except (httpx.HTTPError, subprocess.TimeoutExpired):
+            except (httpx.HTTPError, subprocess.TimeoutExpired, OSError):
                 self.process.kill()
                 self.process.wait()
         return self.process.returncode

@@ -18,6 +18,8 @@ from agentd.cli.start import command as start_command
 from agentd.cli.start import server_settings
 from agentd.server.app import ServerSettings, create_app
 
+LOCAL = "http://127.0.0.1"  # a Host header the daemon answers to (testserver.local is not)
+
 KEYS = ("sk-alpha", "sk-beta")
 BAD_HEADERS = {
     "no header": {},
@@ -34,7 +36,7 @@ BAD_HEADERS = {
 def keyed(tiny) -> Iterator[TestClient]:
     config, engine = tiny
     app = create_app(config, engine=engine, settings=ServerSettings(api_keys=KEYS))
-    with TestClient(app) as client:
+    with TestClient(app, base_url=LOCAL) as client:
         yield client
 
 

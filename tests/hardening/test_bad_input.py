@@ -19,6 +19,8 @@ from litestar.testing import TestClient
 
 from agentd.server.app import ServerSettings, create_app
 
+LOCAL = "http://127.0.0.1"  # a Host header the daemon answers to (testserver.local is not)
+
 USER = [{"role": "user", "content": "hi"}]
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": CITY}}
@@ -203,7 +205,7 @@ CASES: dict[str, Case] = {
 @pytest.fixture(scope="module")
 def client(tiny) -> Iterator[TestClient]:
     config, engine = tiny
-    with TestClient(create_app(config, engine=engine)) as test_client:
+    with TestClient(create_app(config, engine=engine), base_url=LOCAL) as test_client:
         yield test_client
 
 
@@ -285,7 +287,8 @@ def test_integrity_endpoint_reports_a_clean_idle_pool(client: TestClient) -> Non
 def small_body_client(tiny) -> Iterator[TestClient]:
     config, engine = tiny
     settings = ServerSettings(max_request_body_bytes=4096)
-    with TestClient(create_app(config, engine=engine, settings=settings)) as test_client:
+    with TestClient(create_app(config, engine=engine, settings=settings),
+                    base_url=LOCAL) as test_client:
         yield test_client
 
 

@@ -27,6 +27,8 @@ from agentd.config import EngineConfig
 from agentd.engine import LLMEngine
 from agentd.server.app import ServerSettings, create_app
 
+LOCAL = "http://127.0.0.1"  # a Host header the daemon answers to (testserver.local is not)
+
 KEYS = ("sk-tenant-a", "sk-tenant-b")
 WORKLOADS = ("coding_agent", "support_agent", "research_agent")
 
@@ -60,7 +62,7 @@ def clients(tiny) -> Iterator[dict[str, TestClient]]:
     settings = {"open": ServerSettings(), "one key": ServerSettings(api_keys=KEYS[:1]),
                 "two keys": ServerSettings(api_keys=KEYS),
                 "shared": ServerSettings(api_keys=KEYS, shared_cache=True)}
-    opened = {name: TestClient(create_app(config, engine=engine, settings=s))
+    opened = {name: TestClient(create_app(config, engine=engine, settings=s), base_url=LOCAL)
               for name, s in settings.items()}
     for client in opened.values():
         client.__enter__()

@@ -20,6 +20,7 @@ from litestar.openapi import ResponseSpec
 from litestar.params import Body
 from litestar.response import Stream
 
+from agentd.server.constraints import compile_constraint
 from agentd.server.intake import check_chat_size, check_completion_size
 from agentd.server.protocol import (
     ChatCompletion,
@@ -67,10 +68,11 @@ class OpenAIController(Controller):
         server.unknown_fields.note(await request.body(), ChatCompletionRequest, request.url.path)
         check_chat_size(data, engine.tokenizer, engine.max_model_len)
         plan = await asyncio.to_thread(plan_chat, data, engine, model, int(time.time()))
+        grammar = await compile_constraint(engine, plan.constraint)
         on_finish = partial(server.metrics.observe_finished, model)
         deltas = submit(engine, plan.prompt_token_ids, plan.params, plan.request_id,
                         effective_cache_salt(cache_tenant(request), plan.cache_salt),
-                        server.max_in_flight(engine))
+                        server.max_in_flight(engine), grammar)
         server.arrived(request.scope)
         if data.stream:
             return event_stream(stream_chat(plan, deltas, on_finish))
@@ -86,10 +88,11 @@ class OpenAIController(Controller):
         server.unknown_fields.note(await request.body(), CompletionRequest, request.url.path)
         check_completion_size(data, engine.tokenizer, engine.max_model_len)
         plan = await asyncio.to_thread(plan_completion, data, engine, model, int(time.time()))
+        grammar = await compile_constraint(engine, plan.constraint)
         on_finish = partial(server.metrics.observe_finished, model)
         deltas = submit(engine, plan.prompt_token_ids, plan.params, plan.request_id,
                         effective_cache_salt(cache_tenant(request), plan.cache_salt),
-                        server.max_in_flight(engine))
+                        server.max_in_flight(engine), grammar)
         server.arrived(request.scope)
         if data.stream:
             return event_stream(stream_text(plan, deltas, on_finish))

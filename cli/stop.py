@@ -18,7 +18,7 @@ import click
 
 from agentd.cli._client import DaemonClient, DaemonUnreachable, url_option
 from agentd.cli._state import StatePaths, pid_alive, state_dir_option
-from agentd.server.web_guard import TOKEN_HEADER, read_token
+from agentd.server.local_token import TOKEN_HEADER, read_token
 
 _KILL_WAIT_S = 5.0
 

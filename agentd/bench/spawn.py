@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 
 from agentd.bench.rss import read_status_bytes
-from agentd.server.web_guard import TOKEN_FILE, TOKEN_HEADER
+from agentd.server.local_token import TOKEN_HEADER, read_token
 
 
 class DaemonNotReady(RuntimeError):
@@ -104,11 +104,11 @@ class SpawnedDaemon:
             return None
         if self.process.poll() is None:
             try:
-                token = (self.state_dir / TOKEN_FILE).read_text().strip()
+                token = read_token(self.state_dir) or ""
                 httpx.post(f"{self.url}/admin/shutdown", headers={TOKEN_HEADER: token},
                            timeout=5)
                 self.process.wait(60)
-            except (httpx.HTTPError, subprocess.TimeoutExpired, OSError):
+            except (httpx.HTTPError, subprocess.TimeoutExpired):
                 self.process.kill()
                 self.process.wait()
         return self.process.returncode

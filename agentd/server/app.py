@@ -24,11 +24,12 @@ from litestar.openapi.plugins import ScalarRenderPlugin
 from agentd import __version__
 from agentd.config import EngineConfig
 from agentd.server.errors import EXCEPTION_HANDLERS
+from agentd.server.local_token import TOKEN_HEADER
 from agentd.server.routes_admin import AdminController, health, metrics
 from agentd.server.routes_openai import OpenAIController
 from agentd.server.routes_pins import PinsController
 from agentd.server.state import ServerSettings, ServerState, count_arrivals
-from agentd.server.web_guard import TOKEN_HEADER, web_guard
+from agentd.server.web_guard import web_guard
 
 if TYPE_CHECKING:
     from agentd.async_engine import AsyncEngine

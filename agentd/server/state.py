@@ -32,8 +32,8 @@ from litestar.handlers import BaseRouteHandler
 from agentd.config import EngineConfig
 from agentd.server.errors import APIError
 from agentd.server.intake import UnknownFields
+from agentd.server.local_token import new_token, write_token
 from agentd.server.metrics import EngineSnapshot, ServerMetrics
-from agentd.server.web_guard import new_token, write_token
 
 if TYPE_CHECKING:
     from agentd.async_engine import AsyncEngine

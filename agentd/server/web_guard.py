@@ -24,23 +24,18 @@ to the state dir (``require_local_token``). Header read timeouts live in the HTT
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import ipaddress
-import os
-import secrets
 import socket
 import time
-from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from agentd.server.errors import APIError
+from agentd.server.local_token import TOKEN_FILE, TOKEN_HEADER
 from agentd.server.protocol import error_body
 
-TOKEN_FILE = "cli.token"
-TOKEN_HEADER = "x-agentd-token"
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 _WILDCARDS = frozenset({"", "0.0.0.0", "::"})
 
@@ -165,28 +160,6 @@ async def _reply(send: Any, error: APIError, close: bool) -> None:
         headers.append((b"connection", b"close"))
     await send({"type": "http.response.start", "status": error.status, "headers": headers})
     await send({"type": "http.response.body", "body": body})
-
-
-# --- the local token that lets `agentd stop` shut a keyless daemon down ------------------------
-def new_token() -> str:
-    return secrets.token_urlsafe(32)
-
-
-def write_token(state_dir: Path, token: str) -> None:
-    """``<state_dir>/cli.token``, readable by its owner only (written before it is filled)."""
-    state_dir.mkdir(parents=True, exist_ok=True)
-    path = state_dir / TOKEN_FILE
-    tmp = state_dir / f".{TOKEN_FILE}.{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-    os.replace(tmp, path)
-
-
-def read_token(state_dir: Path) -> str | None:
-    with contextlib.suppress(OSError):
-        return (state_dir / TOKEN_FILE).read_text().strip() or None
-    return None
 
 
 def require_local_token(connection: Any, _: Any) -> None:

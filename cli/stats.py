@@ -14,7 +14,7 @@ from typing import Any
 import click
 
 from agentd.cli._client import DaemonClient, url_option
-from agentd.cli.pins import short_duration
+from agentd.cli.pins import compact_table, short_duration
 from agentd.cli.status import format_duration
 
 NUM_NEAR_MISSES_SHOWN = 5
@@ -102,14 +102,12 @@ def _ttft(ttft: dict[str, dict[str, Any]]) -> Any:
 
 
 def _pins(pins: list[dict[str, Any]]) -> Any:
-    from rich.table import Table
 
-    table = Table(title="pins", title_justify="left", caption_justify="left",
-                  caption="hits: requests that matched a whole pin; tokens saved: prompt tokens "
-                          "served from its KV instead of prefilled")
-    for column in ("pin", "tokens", "blocks", "hits", "tokens saved", "near misses", "TTL",
-                   "idle"):
-        table.add_column(column, justify="left" if column == "pin" else "right", no_wrap=True)
+    table = compact_table("pins", "pin", ["tokens", "blocks", "hits", "cached\ntokens",
+                                          "near\nmisses", "TTL", "idle"],
+                          caption_justify="left",
+                          caption="hits: requests that matched a whole pin; cached tokens: "
+                                  "prompt tokens served from its KV instead of prefilled")
     for p in pins:
         table.add_row(p["name"], str(p["num_tokens"]), str(p["num_blocks"]), str(p["hits"]),
                       str(p["tokens_served"]), str(p["near_misses"]), short_duration(p.get("ttl")),

@@ -73,6 +73,8 @@ def _stats_rows(table: Any, s: dict[str, Any]) -> None:
     total = s["num_blocks_total"]
     table.add_row("model", f"{s['model']} (max_model_len {s['max_model_len']})")
     table.add_row("uptime", format_duration(s["uptime_s"]))
+    if s.get("num_threads") is not None:
+        table.add_row("threads", threads_note(s["num_threads"], s["num_threads_default"]))
     table.add_row("pool", f"{s['num_blocks_used']} / {total} blocks in use "
                           f"({100 * s['kv_cache_usage']:.1f}%; {s['num_blocks_pinned']} of them "
                           f"pinned), {s['num_blocks_cached']} cached, {s['num_blocks_free']} free")
@@ -86,6 +88,14 @@ def _stats_rows(table: Any, s: dict[str, Any]) -> None:
     table.add_row("prefix cache", f"{hits} of {queries} prompt tokens hit{rate}")
     table.add_row("tokens", f"{s['prompt_tokens_total']} prompt, "
                             f"{s['generation_tokens_total']} generated")
+
+
+def threads_note(num_threads: int, is_default: bool) -> str:
+    """How many CPU threads the daemon computes with, and what that means for a second one."""
+    if not is_default:
+        return f"{num_threads} (--num-threads)"
+    return (f"{num_threads} (the default: all cores; every daemon on this host takes as many, "
+            "so give several daemons a share each with --num-threads)")
 
 
 def format_duration(seconds: float) -> str:

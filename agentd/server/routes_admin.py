@@ -19,6 +19,7 @@ from agentd import __version__
 from agentd.server.metrics import CONTENT_TYPE
 from agentd.server.state import require_metrics_access, require_operator, server_of
 from agentd.server.stats import stats_report
+from agentd.server.web_guard import require_local_token
 
 
 @get("/health", summary="Readiness: 200 when the model is loaded, 503 before",
@@ -32,6 +33,13 @@ def health(state: State) -> Response[dict[str, Any]]:
     if server.load_error is not None:
         body["error"] = server.load_error
     return Response(body, status_code=200 if server.status == "ready" else 503)
+
+
+def _num_threads() -> int:
+    """torch's CPU threads in this daemon (``--num-threads``; default: every core)."""
+    import torch  # loaded with the engine already
+
+    return torch.get_num_threads()
 
 
 @get("/metrics", summary="Prometheus metrics (vLLM names)", tags=["Admin"], sync_to_thread=False,
@@ -58,6 +66,8 @@ class AdminController(Controller):
             "uptime_s": round(server.uptime_s, 3),
             "pid": server.pid,
             "version": __version__,
+            "num_threads": _num_threads(),
+            "num_threads_default": server.config.num_threads is None,
             **stats_report(engine.stats(), engine.pin_summary(), server.metrics.recent,
                            pins.restore_report, pins.last_persist_error),
         }
@@ -71,9 +81,10 @@ class AdminController(Controller):
         return dataclasses.asdict(await engine.check_integrity())
 
     @post("/admin/shutdown", status_code=202, summary="Stop the daemon gracefully",
-          sync_to_thread=False)
+          sync_to_thread=False, guards=[require_local_token])
     def shutdown(self, state: State) -> dict[str, Any]:
-        """In-flight requests get the grace period to finish; the rest are aborted."""
+        """In-flight requests get the grace period to finish; the rest are aborted. Without API
+        keys the caller must send the local token from the state dir (``agentd stop`` does)."""
         server = server_of(state)
         server.begin_shutdown()
         return {"status": "stopping", "pid": server.pid,

@@ -34,6 +34,8 @@ from litestar.handlers import BaseRouteHandler
 
 from agentd.config import EngineConfig
 from agentd.server.errors import APIError
+from agentd.server.intake import UnknownFields
+from agentd.server.local_token import new_token, write_token
 from agentd.server.metrics import EngineSnapshot, ServerMetrics
 
 if TYPE_CHECKING:
@@ -56,6 +58,13 @@ class ServerSettings:
     max_queue: int = 256  # requests that may wait beyond a full batch; then 503 + Retry-After
     shared_cache: bool = False  # with several keys, let tenants share cached prefixes (and pins)
     state_dir: Path | None = None  # pins.json and KV snapshots; None keeps pins in memory only
+    # Web safety (agentd.server.web_guard): the address bound, more names the Host header may
+    # carry, origins whose pages may call the API, and how long a client may take to send a
+    # request's headers, then its body.
+    bind_host: str = "127.0.0.1"
+    allowed_hosts: tuple[str, ...] = ()
+    cors_origins: tuple[str, ...] = ()
+    read_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.max_request_body_bytes < 1024:
@@ -66,6 +75,8 @@ class ServerSettings:
             raise ValueError("API keys must be non-empty")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, not {self.max_queue}")
+        if self.read_timeout_s <= 0:
+            raise ValueError(f"read_timeout_s must be > 0, not {self.read_timeout_s}")
 
     @property
     def all_keys(self) -> tuple[str, ...]:
@@ -99,6 +110,8 @@ class ServerState:
         self.pid = os.getpid()
         self.request_exit: Callable[[int], None] = request_exit or (lambda code: None)
         self.metrics = ServerMetrics(self._stats_snapshot)
+        self.unknown_fields = UnknownFields()  # logged once per name
+        self.cli_token = new_token()  # lets `agentd stop` shut down a daemon without keys
         self._loader: threading.Thread | None = None
         self._abort_timer: threading.Timer | None = None
         self._close_lock = threading.Lock()
@@ -106,6 +119,8 @@ class ServerState:
     # --- lifecycle -------------------------------------------------------------------------
     def begin(self) -> None:
         """Start the given engine, or load one in a background thread (``/health`` says 503)."""
+        if self.settings.state_dir is not None:
+            write_token(self.settings.state_dir, self.cli_token)
         if self.engine is not None:
             self.engine.start()
             self.pins = self._pin_service(self.engine)

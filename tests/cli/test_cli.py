@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner, Result
@@ -136,8 +138,12 @@ def test_detach_status_stop_round_trip(runner: CliRunner, detached: dict) -> Non
     assert started.exit_code == 0, started.output
     assert f"agentd is ready at http://127.0.0.1:{port}" in started.output
     pid = int((state / "agentd.pid").read_text())
-    assert (state / "agentd.log").exists()
-    assert json.loads((state / "daemon.json").read_text())["pid"] == pid
+    daemon_info = json.loads((state / "daemon.json").read_text())
+    assert daemon_info["pid"] == pid
+    assert daemon_info["model"] == str(Path(detached["args"][5]).absolute())
+    assert daemon_info["log"] == str((state / "agentd.log").absolute())
+    log = (state / "agentd.log").read_text()
+    assert "agentd listening on" in log and '"GET /health HTTP/1.1" 503' not in log, log
     assert state.stat().st_mode & 0o777 == 0o700  # they hold prompts: the owner's only
     for name in ("agentd.log", "agentd.pid", "daemon.json"):
         assert (state / name).stat().st_mode & 0o777 == 0o600, name
@@ -145,6 +151,8 @@ def test_detach_status_stop_round_trip(runner: CliRunner, detached: dict) -> Non
     status = runner.invoke(main, ["status"])
     assert status.exit_code == 0, status.output
     assert "running" in status.output and "tiny-llama" in status.output
+    assert re.search(r"threads\s+\d+ \(the default: all cores; every daemon on this host",
+                     status.output), status.output
     report = json.loads(runner.invoke(main, ["status", "--json"]).output)
     assert report["pid"] == pid and report["stats"]["num_blocks_used"] == 0
 
@@ -157,3 +165,9 @@ def test_detach_status_stop_round_trip(runner: CliRunner, detached: dict) -> Non
     assert f"agentd stopped (pid {pid})" in stop.output
     assert not (state / "agentd.pid").exists() and not (state / "daemon.json").exists()
     assert runner.invoke(main, ["status"]).exit_code == 3
+
+
+def test_start_help_says_each_daemon_takes_every_core(runner: CliRunner) -> None:
+    help_text = " ".join(runner.invoke(main, ["start", "--help"]).output.split())
+    assert "[default: all cores]. Every daemon takes this many: with several daemons on one " \
+        "host, give each its share" in help_text, help_text

@@ -94,8 +94,8 @@ def clients_over(tiny: tuple[EngineConfig, AsyncEngine],
 
     config, engine = tiny
     with ExitStack() as stack:
-        yield {name: stack.enter_context(TestClient(create_app(config, engine=engine,
-                                                               settings=one)))
+        yield {name: stack.enter_context(TestClient(
+            create_app(config, engine=engine, settings=one), base_url="http://127.0.0.1"))
                for name, one in settings.items()}
 
 

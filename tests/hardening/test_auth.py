@@ -20,6 +20,8 @@ from agentd.cli.start import command as start_command
 from agentd.cli.start import server_settings
 from agentd.server.app import ServerSettings, create_app
 
+LOCAL = "http://127.0.0.1"  # a Host header the daemon answers to (testserver.local is not)
+
 KEYS = ("sk-alpha", "sk-beta")
 ADMIN = "sk-admin"
 OPERATOR_PATHS = ("/admin/", "/v1/stats")
@@ -39,7 +41,7 @@ def keyed(tiny) -> Iterator[TestClient]:
     config, engine = tiny
     app = create_app(config, engine=engine, settings=ServerSettings(api_keys=KEYS,
                                                                    admin_keys=(ADMIN,)))
-    with TestClient(app) as client:
+    with TestClient(app, base_url=LOCAL) as client:
         yield client
 
 
@@ -93,10 +95,11 @@ def test_health_and_docs_stay_open_and_metrics_needs_an_operator(keyed: TestClie
     assert admin.status_code == 200 and b"vllm:" in admin.content
     config, engine = tiny
     public = ServerSettings(api_keys=KEYS, metrics_public=True)
-    with TestClient(create_app(config, engine=engine, settings=public)) as client:
+    with TestClient(create_app(config, engine=engine, settings=public), base_url=LOCAL) as client:
         assert client.get("/metrics").status_code == 200
     one_tenant = ServerSettings(api_keys=KEYS[:1])  # one key: its holder is the operator
-    with TestClient(create_app(config, engine=engine, settings=one_tenant)) as client:
+    with TestClient(create_app(config, engine=engine, settings=one_tenant),
+                    base_url=LOCAL) as client:
         assert client.get("/metrics").status_code == 401
         assert client.get("/metrics", headers={"Authorization": f"Bearer {KEYS[0]}"}
                           ).status_code == 200

@@ -28,6 +28,8 @@ from agentd.config import EngineConfig
 from agentd.engine import LLMEngine
 from agentd.server.app import ServerSettings, create_app
 
+LOCAL = "http://127.0.0.1"  # a Host header the daemon answers to (testserver.local is not)
+
 KEYS = ("sk-tenant-a", "sk-tenant-b")
 WORKLOADS = ("coding_agent", "support_agent", "research_agent")
 

@@ -24,6 +24,7 @@ from agentd.runner import ModelRunner
 from agentd.sampler import Sampler
 from agentd.sampling_params import SamplingParams
 from agentd.scheduler import Scheduler
+from agentd.spec_decode import make_speculator
 
 logger = logging.getLogger("agentd")
 
@@ -47,6 +48,9 @@ class EngineStats:
     num_model_tokens: int  # tokens that actually went through the model (prefill + decode)
     num_blocks_pinned: int
     num_pins: int
+    spec_num_drafts: int  # request-steps that verified draft tokens
+    spec_num_draft_tokens: int
+    spec_num_accepted_tokens: int
 
 
 @dataclass
@@ -81,6 +85,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.num_blocks, block_size, self.loaded.device,
                                   self.loaded.dtype, backend)
         self.sampler = Sampler(self.loaded.device)
+        self.speculator = make_speculator(config.speculative)
         self.pins = PinManager(self.kv_cache, self.tokenizer,
                                int(config.max_pinned_fraction * self.num_blocks))
         self.scheduler.prefix_extension = self.pins.tail_after
@@ -186,19 +191,41 @@ class LLMEngine:
         self._totals["steps"] += 1
         self._totals["model"] += result.num_tokens
         requests = [self.scheduler.requests[rid] for rid in result.request_ids]
-        token_ids = self.sampler.sample(result.logits, requests)
+        drafts = {s.request_id: s.token_ids[len(s.token_ids) - s.num_draft_tokens:]
+                  for s in out.scheduled if s.num_draft_tokens}
+        token_ids = self.speculator.sample(self.sampler, result.logits, requests, drafts)
         now = time.monotonic()
-        for request in self.scheduler.update_from_output(out, dict(zip(result.request_ids,
-                                                                        token_ids, strict=True))):
+        for request in self.scheduler.update_from_output(out, token_ids):
             tracked = self._tracked[request.request_id]
             if request.first_token_time_s is None:
                 request.first_token_time_s = now
-            tracked.detokenizer.add_token(request.all_token_ids[-1])
-            if tracked.detokenizer.stop_reason is not None and not request.status.finished:
-                request.stop_reason = tracked.detokenizer.stop_reason
-                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            self._detokenize(tracked)
             deltas.append(self._delta(tracked, finished=request.status.finished))
+        self.speculator.propose(self.scheduler.running, self.scheduler.num_waiting)
         return deltas
+
+    def _detokenize(self, tracked: _Tracked) -> None:
+        """Feed the request's new tokens to its detokenizer one by one; at a stop string, the
+        tokens after it are dropped (a step may have accepted several) and the request stops."""
+        request = tracked.request
+        detokenizer = tracked.detokenizer
+        num_tokens = request.num_prompt_tokens + tracked.num_emitted_tokens
+        for token_id in request.all_token_ids[num_tokens:]:
+            detokenizer.add_token(token_id)
+            num_tokens += 1
+            if detokenizer.stop_reason is not None:
+                break
+        if detokenizer.stop_reason is None:
+            return
+        if num_tokens < request.num_tokens:  # tokens past the stop string came in this step
+            request.truncate(num_tokens)
+            if request.status.finished:  # by one of the dropped tokens: the string came first
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = detokenizer.stop_reason
+                return
+        if not request.status.finished:
+            request.stop_reason = detokenizer.stop_reason
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
 
     def _delta(self, tracked: _Tracked, finished: bool, error: str | None = None) -> StreamDelta:
         request = tracked.request
@@ -213,6 +240,7 @@ class LLMEngine:
                     self.pin_results[request.request_id] = result
             del self._tracked[request.request_id]
             self.sampler.forget(request.request_id)
+            self.speculator.forget(request.request_id)
             self._totals["finished"] += 1
             self._totals["generation"] += request.num_output_tokens
         return StreamDelta(
@@ -250,4 +278,7 @@ class LLMEngine:
             num_model_tokens=self._totals["model"],
             num_blocks_pinned=self.pins.registry.num_pinned_blocks,
             num_pins=len(self.pins.registry),
+            spec_num_drafts=self.speculator.stats.num_drafts,
+            spec_num_draft_tokens=self.speculator.stats.num_draft_tokens,
+            spec_num_accepted_tokens=self.speculator.stats.num_accepted_tokens,
         )

@@ -59,8 +59,8 @@ class SpeculativeConfig:
             raise ValueError(f"num_speculative_tokens must be in [1, 64], not {self.num_tokens}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(
-                f"prompt lookup n-gram sizes must satisfy 1 <= min <= max, not min "
-                f"{self.ngram_min}, max {self.ngram_max}"
+                f"prompt_lookup_min ({self.ngram_min}) must be >= 1 and <= prompt_lookup_max "
+                f"({self.ngram_max})"
             )
         if self.max_num_seqs < 1:
             raise ValueError(f"speculative_max_num_seqs must be >= 1, not {self.max_num_seqs}")

@@ -47,7 +47,7 @@ class SpeculativeConfig:
     """
 
     method: str = "ngram"
-    num_tokens: int = 4
+    num_tokens: int = 8
     ngram_max: int = 3
     ngram_min: int = 2
     max_num_seqs: int = 4

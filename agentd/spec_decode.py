@@ -21,8 +21,11 @@ Invariant: speculation never changes what a request outputs.
 Requests that speculation could not keep exact never draft (:func:`can_speculate`).
 
 Adaptive: no drafts in a step that is compute-bound already (more than ``max_num_seqs`` running
-requests, or a prefill chunk or a waiting request in the batch), and a request whose draft was
-rejected outright waits 1, 2, 4 ... up to ``MAX_BACKOFF_STEPS`` steps before drafting again.
+requests, or a prefill chunk or a waiting request in the batch). Per request, a draft accepted
+whole doubles the next draft's length (up to ``num_tokens``), one accepted in part sets it to
+one more than was accepted, and one rejected outright halves it and makes the request wait 1,
+2, 4 ... up to ``MAX_BACKOFF_STEPS`` steps before drafting again: long drafts while the reply
+copies its context, short and rare ones while it does not.
 """
 
 from __future__ import annotations
@@ -145,7 +148,8 @@ def verify(sampler: Sampler, logits: torch.Tensor, request: Request,
 
 
 @dataclass
-class _Backoff:
+class _Drafting:
+    num_tokens: int  # the next draft's length
     wait_steps: int = 0  # steps to sit out before the next draft
     next_wait_steps: int = 1  # what the next outright rejection costs
 
@@ -156,37 +160,45 @@ class NgramSpeculator(Speculator):
     def __init__(self, config: SpeculativeConfig) -> None:
         super().__init__()
         self.config = config
-        self._backoff: dict[str, _Backoff] = {}
+        self._drafting: dict[str, _Drafting] = {}
 
     def propose(self, running: Sequence[Request], num_waiting: int) -> None:
         if num_waiting or len(running) > self.config.max_num_seqs or any(
                 r.num_tokens - r.num_computed_tokens > 1 for r in running):
             return  # compute-bound: draft rows would cost as much as any other row
         for request in running:
-            if can_speculate(request) and self._ready(request.request_id):
-                room = request.max_output_tokens - request.num_output_tokens - 1
+            state = self._state(request.request_id)
+            if state.wait_steps:
+                state.wait_steps -= 1
+                continue
+            room = request.max_output_tokens - request.num_output_tokens - 1
+            if can_speculate(request) and room > 0:
                 request.spec_token_ids = propose_ngram(
-                    request.all_token_ids, min(self.config.num_tokens, room),
-                    self.config.ngram_max, self.config.ngram_min) if room > 0 else []
+                    request.all_token_ids, min(state.num_tokens, room),
+                    self.config.ngram_max, self.config.ngram_min)
 
-    def _ready(self, request_id: str) -> bool:
-        backoff = self._backoff.get(request_id)
-        if backoff is None or not backoff.wait_steps:
-            return True
-        backoff.wait_steps -= 1
-        return False
+    def _state(self, request_id: str) -> _Drafting:
+        state = self._drafting.get(request_id)
+        if state is None:
+            state = self._drafting[request_id] = _Drafting(self.config.num_tokens)
+        return state
 
     def _record(self, request_id: str, num_drafted: int, num_accepted: int) -> None:
         super()._record(request_id, num_drafted, num_accepted)
-        backoff = self._backoff.setdefault(request_id, _Backoff())
-        if num_accepted:
-            backoff.next_wait_steps = 1
+        state = self._state(request_id)
+        if num_accepted == num_drafted:
+            state.num_tokens = min(2 * num_drafted, self.config.num_tokens)
+        elif num_accepted:
+            state.num_tokens = num_accepted + 1
         else:
-            backoff.wait_steps = backoff.next_wait_steps
-            backoff.next_wait_steps = min(2 * backoff.next_wait_steps, MAX_BACKOFF_STEPS)
+            state.num_tokens = max(num_drafted // 2, 1)
+            state.wait_steps = state.next_wait_steps
+            state.next_wait_steps = min(2 * state.next_wait_steps, MAX_BACKOFF_STEPS)
+            return
+        state.next_wait_steps = 1
 
     def forget(self, request_id: str) -> None:
-        self._backoff.pop(request_id, None)
+        self._drafting.pop(request_id, None)
 
 
 def make_speculator(config: SpeculativeConfig) -> Speculator:

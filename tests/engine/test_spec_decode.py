@@ -233,3 +233,31 @@ def test_drafts_stop_while_the_batch_is_compute_bound_or_drafts_keep_failing() -
     assert drafted_steps == [0, 2, 5, 10]
     assert speculator.stats.num_drafts == 4 + 12
     assert speculator.stats.num_accepted_tokens == 12
+    assert requests[1].spec_token_ids == [3, 1]  # one accepted: the next draft is 1 + 1 long
+
+
+def test_a_draft_accepted_whole_doubles_the_next_one_up_to_the_limit() -> None:
+    speculator = NgramSpeculator(SpeculativeConfig(num_tokens=6, ngram_max=1, ngram_min=1))
+    request = make_request(temperature=0.0)
+    request.all_token_ids = list(range(10, 30)) + [10]  # the draft continues 11, 12, 13 ...
+    request.num_computed_tokens = request.num_tokens - 1
+    sampler = Sampler(torch.device("cpu"))
+    lengths = []
+    for _ in range(4):
+        speculator.propose([request], num_waiting=0)
+        draft = request.spec_token_ids
+        lengths.append(len(draft))
+        request.spec_token_ids = []
+        tokens = speculator.sample(sampler, peaked_logits(draft + [draft[-1] + 1]), [request],
+                                   {"r": draft})
+        assert tokens["r"] == draft + [draft[-1] + 1]
+        request.all_token_ids = list(range(10, 30)) + [10]  # the same point again
+    assert lengths == [6, 6, 6, 6]
+    speculator.sample(sampler, peaked_logits([11, 40, 0, 0, 0, 0, 0]), [request],
+                      {"r": [11, 12, 13, 14, 15, 16]})  # two of six accepted ... once
+    speculator.propose([request], num_waiting=0)
+    assert request.spec_token_ids == [11, 12]
+    request.spec_token_ids = []
+    speculator.sample(sampler, peaked_logits([11, 12, 0]), [request], {"r": [11, 12]})
+    speculator.propose([request], num_waiting=0)
+    assert request.spec_token_ids == [11, 12, 13, 14]  # accepted whole: twice as long

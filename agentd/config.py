@@ -86,6 +86,7 @@ class EngineConfig:
     seed: int = 0
     num_threads: int | None = None
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    jump_forward: bool = True  # append the tokens a grammar forces without a step each
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -45,10 +45,12 @@ _ITEM_BYTES = array("i").itemsize
 
 
 def can_speculate(request: Request) -> bool:
-    """Whether drafts can be verified for this request without changing its output. Penalties
-    are left out: a row's penalty would depend on the drafts accepted before it."""
+    """Whether drafts can be verified for this request without changing its output. Left out:
+    penalties (a row's penalty would depend on the drafts accepted before it) and output
+    constraints (a grammar's matcher masks one row and advances one token at a time)."""
     params = request.params
-    return not (params.presence_penalty or params.frequency_penalty)
+    return not (params.presence_penalty or params.frequency_penalty
+                or params.structured_outputs is not None)
 
 
 def propose_ngram(token_ids: Sequence[int], num_tokens: int, ngram_max: int,

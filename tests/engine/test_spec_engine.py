@@ -322,3 +322,38 @@ def test_sampled_drafts_keep_the_model_distribution(small_vocab_model: Path) -> 
     p_value = chi_square_p_value(counts, exact)
     print(f"p = {p_value:.3f}, acceptance {acceptance:.2f}")
     assert p_value > 1e-3, f"p = {p_value:.2e}, acceptance {acceptance:.2f}"
+
+
+def test_a_constrained_request_never_drafts_and_its_mask_finds_its_row(llama) -> None:
+    """A grammar-constrained request is not speculated for; when its row comes after a
+    drafting request's rows in one step, its bitmask still lands on its own row."""
+    from agentd.spec_decode import can_speculate
+    from agentd.structured.params import StructuredOutputsParams
+
+    path, prompts, off = llama
+    choices = ["red green blue", "cyan"]
+    constrained = SamplingParams(temperature=0.0, max_tokens=16,
+                                 structured_outputs=StructuredOutputsParams(choice=choices))
+    assert not can_speculate(Request("c", [1], constrained, 16))
+    assert not can_speculate(Request("p", [1], SamplingParams(presence_penalty=0.5), 16))
+    want = off.generate([prompts[0]], GREEDY)[0]
+    solo = off.generate([prompts[1]], constrained)[0]
+    assert solo.text in choices
+    llm = planted_llm(path, {tuple(prompts[0]): want.token_ids})
+    engine = llm.engine
+    first = engine.add_request(prompts[0], GREEDY)
+    engine.step()
+    engine.step()  # `first` decodes, with drafts from now on
+    second = engine.add_request(prompts[1], constrained)
+    tokens: dict[str, list[int]] = {first: [], second: []}
+    rows = []
+    execute = engine.runner.execute
+    engine.runner.execute = lambda s: rows.append([(x.request_id, x.num_draft_tokens)
+                                                   for x in s]) or execute(s)
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            tokens[delta.request_id] += delta.token_ids
+    assert rows[0] == [(first, NUM_DRAFT), (second, 0)]  # its prompt's row after the drafts
+    assert all(d == 0 for step in rows for rid, d in step if rid == second)
+    assert tokens[second] == solo.token_ids
+    assert engine.stats().num_blocks_used == 0

@@ -1,6 +1,7 @@
 """Prompt-lookup speculative decoding on the default model: tokens/s at c=1 with it and without.
 
     python benchmarks/spec_decode.py [--requests 6] [--max-tokens 128] [--threads N]
+        [--workloads code_edit_agent coding_agent ...]
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python benchmarks/spec_decode.py
 
 One process, one copy of the weights: two engines share the loaded model, one with the default
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import subprocess
 import time
 from dataclasses import dataclass
@@ -72,6 +74,13 @@ def cpu_line() -> str:
             f"{torch.get_num_threads()} threads")
 
 
+def default_threads() -> int:
+    """Cores not already busy: an OpenMP thread that shares a core with another process
+    spin-waits, and a step can take many times longer than on one thread."""
+    busy = round(os.getloadavg()[0])
+    return max(1, min(torch.get_num_threads(), (os.cpu_count() or 1) - busy))
+
+
 def run_one(engine: LLMEngine, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], Timing]:
     before = engine.stats()
     start = time.perf_counter()
@@ -122,10 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=6, help="requests per workload")
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: the cores not already busy)")
     parser.add_argument("--workloads", nargs="*", default=list(PACKAGED))
     args = parser.parse_args(argv)
-    config = EngineConfig(device="cpu", dtype="float32", num_threads=args.threads)
+    config = EngineConfig(device="cpu", dtype="float32",
+                          num_threads=args.threads or default_threads())
     loaded = load_model(config)
     engines = {"ngram": LLMEngine(config, loaded),
                "off": LLMEngine(dataclasses.replace(

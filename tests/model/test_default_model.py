@@ -130,7 +130,7 @@ def code_edit_prompts(tokenizer) -> list[list[int]]:
                         workload["tools"], None).prompt_token_ids for i in CODE_EDIT_TURNS]
 
 
-CODE_EDIT_TURNS = (3, 21)
+CODE_EDIT_TURNS = (0, 9)
 NUM_CODE_EDIT_TOKENS = 40
 
 

@@ -165,7 +165,7 @@ def test_prompt_lookup_streams_what_it_returns_whole(client: openai.OpenAI, daem
     workload = json.loads(resources.files("agentd.workloads").joinpath(
         "code_edit_agent.json").read_text())
     messages = [{"role": "system", "content": workload["system"]},
-                {"role": "user", "content": workload["turns"][21]}]
+                {"role": "user", "content": workload["turns"][9]}]
     request = dict(model=MODEL, messages=messages, temperature=0, max_tokens=48)
     before = _counters(daemon)
     whole = client.chat.completions.create(**request).choices[0].message.content or ""

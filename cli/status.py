@@ -64,6 +64,11 @@ def _print_table(report: dict[str, Any]) -> None:
 def _stats_rows(table: Any, s: dict[str, Any]) -> None:
     total = s["num_blocks_total"]
     table.add_row("model", f"{s['model']} (max_model_len {s['max_model_len']})")
+    if compute := s.get("compute"):
+        table.add_row("compute", f"{compute.get('isa') or compute['device']} · dtype "
+                                 f"{compute['dtype']} · weights {compute['weights']}")
+        for kind, choice in (compute.get("kernels") or {}).items():
+            table.add_row("", f"{kind}: {choice}")
     table.add_row("uptime", format_duration(s["uptime_s"]))
     table.add_row("pool", f"{s['num_blocks_used']} / {total} blocks in use "
                           f"({100 * s['kv_cache_usage']:.1f}%; {s['num_blocks_pinned']} of them "

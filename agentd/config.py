@@ -45,6 +45,8 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"  # activations, KV cache and attention (and the weights, by default)
     weights: str | None = None  # linear layers' format; None: the same as dtype (see __post_init__)
+    prefill_weights: str = "keep"  # low-precision weights' big products: "keep" a dense twin, or
+    # "dequantize" per call (no second copy; slower prefill)
     block_size: int = 16
     kv_cache_memory_bytes: int = 384 * 2**20  # 8,736 tokens of the default model
     max_num_seqs: int = 32
@@ -92,6 +94,9 @@ class EngineConfig:
 
     def _check_weights(self) -> None:
         formats = ("auto", "float32", "bfloat16", "float16", "int8", "int4")
+        if self.prefill_weights not in ("keep", "dequantize"):
+            raise ValueError(f"prefill_weights must be keep or dequantize, not "
+                             f"{self.prefill_weights!r}")
         if self.weights is None:
             return
         if self.weights not in formats:

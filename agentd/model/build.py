@@ -150,7 +150,7 @@ def install_weights(model: LlamaModel, weights: str, files: ModelFiles,
     isa = detect_isa()
     start = time.perf_counter()
     groups = fused_int4_groups(model, files) if weights == "int4" else {}
-    num_swapped = install(model, weights, groups, isa)
+    num_swapped = install(model, weights, groups, isa, config.prefill_weights == "keep")
     del groups
     release_free_memory()
     loaded_s = time.perf_counter() - start

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from agentd.model.isa import CpuIsa
+from agentd.model.llama import PackedLinear, SharedWeightLinear, shared_parameter_ids
 from agentd.model.quant import IntGroups, LowPrecisionLinear, make_linear, quantize_int4
 
 logger = logging.getLogger("agentd")
@@ -113,7 +114,8 @@ def calibrate(model: nn.Module, isa: CpuIsa, max_rows: int) -> dict[str, KernelC
         layers = every[:CALIBRATION_LAYERS]
         if not layers:
             continue
-        _pick_dense_dtype(layers, isa, max_rows)
+        if layers[0].dense_twin is None:
+            _pick_dense_dtype(layers, isa, max_rows)
         timings: dict[str, float] = {}
         limit = None
         for rows in (r for r in CALIBRATION_ROWS if r <= max_rows):
@@ -125,22 +127,34 @@ def calibrate(model: nn.Module, isa: CpuIsa, max_rows: int) -> dict[str, KernelC
         for layer in every:
             layer.max_kernel_rows = limit
             layer.dense_dtype = layers[0].dense_dtype
-        dense_name = "dequantize + " + ("bf16 GEMM" if layers[0].dense_dtype == torch.bfloat16
-                                        else "fp32 GEMM")
+        dense_name = ("dense twin (oneDNN)" if layers[0].dense_twin is not None else
+                      "dequantize + " + ("bf16 GEMM" if layers[0].dense_dtype == torch.bfloat16
+                                         else "fp32 GEMM"))
         choices[kind] = KernelChoice(layers[0].kernel_name, limit, dense_name,
                                      {k: round(v, 3) for k, v in timings.items()})
     return choices
 
 
-def install(model: nn.Module, weights: str, int4_groups: dict[str, IntGroups],
-            isa: CpuIsa) -> int:
+def _dense_twin(linear: nn.Linear, shared: set[int]) -> nn.Module:
+    """The layer as the exact mode runs it (oneDNN-packed, or on the shared tensor of a tied
+    head), without its bias (the low-precision layer adds it)."""
+    bare = nn.Linear(linear.in_features, linear.out_features, bias=False, device="meta")
+    bare.weight = linear.weight
+    if not torch.backends.mkldnn.is_available():
+        return bare
+    return SharedWeightLinear(bare) if id(linear.weight) in shared else PackedLinear(bare)
+
+
+def install(model: nn.Module, weights: str, int4_groups: dict[str, IntGroups], isa: CpuIsa,
+            keep_dense: bool) -> int:
     """Swap the model's ``nn.Linear`` layers for layers of format ``weights``; ``int4_groups``
     (fused names, e.g. ``layers.0.self_attn.qkv_proj.weight``) are used as they are where the
-    format is int4. Returns how many layers were swapped (a shape a kernel does not take stays
-    as it is)."""
+    format is int4; ``keep_dense`` keeps each layer's dense weight as its twin for big calls.
+    Returns how many layers were swapped (a shape a kernel does not take stays as it is)."""
     slots = [(parent, name, f"{prefix}.{name}".lstrip("."))
              for prefix, parent in model.named_modules()
              for name, child in parent.named_children() if type(child) is nn.Linear]
+    shared = shared_parameter_ids(model)
     num_swapped = 0
     for parent, name, path in slots:
         linear = getattr(parent, name)
@@ -148,6 +162,8 @@ def install(model: nn.Module, weights: str, int4_groups: dict[str, IntGroups],
         layer = make_linear(weights, source, linear.bias, isa.bf16_gemm)
         if layer is None:
             continue
+        if keep_dense or id(linear.weight) in shared:  # a tied head's dense weight is kept anyway
+            layer.keep_dense_twin(_dense_twin(linear, shared))
         setattr(parent, name, layer)
         num_swapped += 1
     return num_swapped
@@ -163,8 +179,6 @@ def pick_auto(isa: CpuIsa, in_features: int, out_features: int) -> tuple[str, di
     timings: dict[str, float] = {}
     reference = nn.Linear(in_features, out_features, bias=False)
     reference.weight.data = weight
-    from agentd.model.llama import PackedLinear
-
     dense = PackedLinear(reference) if torch.backends.mkldnn.is_available() else reference
     timings["float32"] = _time_ms(lambda: dense(x))
     for name in ACCURATE_FORMATS:

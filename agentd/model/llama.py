@@ -195,6 +195,13 @@ class SharedWeightLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.weight.detach(), bias, "none", [], "")
 
 
+def shared_parameter_ids(model: nn.Module) -> set[int]:
+    """Ids of the parameters that a module other than a linear layer owns (a tied LM head's
+    weight is the embedding's)."""
+    return {id(p) for m in model.modules() if not isinstance(m, nn.Linear)
+            for p in m.parameters(recurse=False)}
+
+
 def pack_linears(model: nn.Module) -> int:
     """Swap every ``nn.Linear`` of a CPU fp32/bf16 model for a :class:`PackedLinear`, after a
     self-check against ``F.linear``; returns how many were packed (0 when oneDNN is missing or
@@ -210,8 +217,7 @@ def pack_linears(model: nn.Module) -> int:
     if first.weight.device.type != "cpu" or first.weight.dtype not in (torch.float32,
                                                                        torch.bfloat16):
         return 0
-    shared = {id(p) for m in model.modules() if not isinstance(m, nn.Linear)
-              for p in m.parameters(recurse=False)}
+    shared = shared_parameter_ids(model)
     try:  # the op is internal to torch: check it before trusting it
         probe = torch.randn(3, first.in_features, dtype=first.weight.dtype)
         expected = F.linear(probe, first.weight, first.bias)

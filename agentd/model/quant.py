@@ -4,11 +4,11 @@ A weight format says how a linear layer's weight is stored; the activations keep
 dtype (``--dtype``) between layers. Every low-precision layer has two ways to multiply:
 - ``kernel``: torch's weight-only product on the stored format (a GEMV-class kernel that reads
   the few bytes per weight; decode rows), with bf16 (or fp16) inputs and fp32 accumulation;
-- ``dense``: the weight dequantized on the fly into the activations' dtype (or bf16 where the
-  CPU has bf16 GEMMs), then one dense GEMM (prefill chunks, where the product is compute-bound
-  and the weight-only kernels fall far behind; see ``agentd.model.dispatch``).
-Which one a call takes depends only on its number of rows (``max_kernel_rows``, measured at
-load), so no second copy of the weights is kept.
+- ``dense``: a dense GEMM (prefill chunks and warm turns, where the product is compute-bound and
+  the weight-only kernels fall far behind; see ``agentd.model.dispatch``), either on a resident
+  fp32 twin of the weight packed for oneDNN (``--prefill-weights keep``: the fastest, costs the
+  fp32 bytes again) or on the weight dequantized on the fly (``dequantize``: no second copy).
+Which one a call takes depends only on its number of rows (``max_kernel_rows``, measured at load).
 
 Invariant: ``IntGroups.dequantize()`` is the weight the layer multiplies by, up to the rounding of
 the scales to the kernel's dtype (bf16 for int4 and int8), which the tests bound.
@@ -108,6 +108,12 @@ class LowPrecisionLinear(nn.Module):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.bias = None if bias is None else bias.detach().float()
+        self.dense_twin: nn.Module | None = None  # a resident dense layer (no bias) for big calls
+
+    def keep_dense_twin(self, twin: nn.Module) -> None:
+        """Multiply big calls by ``twin`` (e.g. a oneDNN-packed fp32 copy) instead of
+        dequantizing per call."""
+        self.dense_twin = twin
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.max_kernel_rows is None or x.shape[0] <= self.max_kernel_rows:
@@ -124,16 +130,20 @@ class LowPrecisionLinear(nn.Module):
         raise NotImplementedError
 
     def dense(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense_twin is not None:
+            return self.dense_twin(x)
         dtype = self.dense_dtype
         return F.linear(x.to(dtype), self.dense_weight(dtype)).to(x.dtype)
 
     def weight_bytes(self) -> int:
+        """Bytes of the low-precision weight (the dense twin not counted)."""
         return sum(t.numel() * t.element_size() for t in self._buffers.values() if t is not None)
 
     def extra_repr(self) -> str:
         rows = "all rows" if self.max_kernel_rows is None else f"<= {self.max_kernel_rows} rows"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"{self.format_name}: {self.kernel_name} for {rows}")
+                f"{self.format_name}: {self.kernel_name} for {rows}"
+                f"{', dense twin kept' if self.dense_twin is not None else ''}")
 
 
 class Int4Linear(LowPrecisionLinear):
@@ -231,7 +241,7 @@ class HalfLinear(LowPrecisionLinear):
         return self.weight.to(dtype)
 
     def dense(self, x: torch.Tensor) -> torch.Tensor:
-        return self.kernel(x) if self.onednn else super().dense(x)
+        return self.kernel(x) if self.onednn and self.dense_twin is None else super().dense(x)
 
 
 def make_linear(weights: str, weight: torch.Tensor | IntGroups, bias: torch.Tensor | None,

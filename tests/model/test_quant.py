@@ -10,16 +10,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from agentd.llm import LLM
 from agentd.model.gguf_groups import int4_groups, read_int4_groups
 from agentd.model.gguf_index import read_index
+from agentd.model.isa import detect_isa
 from agentd.model.quant import (
     HalfLinear,
     Int4Linear,
     Int8Linear,
     IntGroups,
+    LowPrecisionLinear,
     make_linear,
     quantize_int4,
 )
+from agentd.sampling_params import SamplingParams
 
 OUT, IN = 128, 256
 
@@ -128,3 +132,40 @@ def test_make_linear_keeps_shapes_the_int4_kernel_cannot_take() -> None:
     layer = make_linear("int4", IntGroups.cat([quantize_int4(torch.randn(64, IN))] * 2), None,
                         False)
     assert isinstance(layer, Int4Linear) and layer.out_features == 128
+
+
+def test_a_kept_dense_twin_serves_big_calls() -> None:
+    weight = torch.randn(OUT, IN) * 0.05
+    layer = Int4Linear(quantize_int4(weight), bias=torch.ones(OUT))
+    twin = torch.nn.Linear(IN, OUT, bias=False)
+    twin.weight.data = weight
+    layer.keep_dense_twin(twin)
+    layer.max_kernel_rows = 4
+    x = torch.randn(9, IN)
+    torch.testing.assert_close(layer(x), x @ weight.t() + 1)  # exact: the twin's fp32 GEMM
+    assert not torch.allclose(layer(x[:4]), x[:4] @ weight.t() + 1, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("weights", ["bfloat16", "float16", "int8", "int4"])
+def test_each_weight_format_serves_a_tiny_model(weights: str, tiny_model_factory) -> None:
+    path = str(tiny_model_factory("llama"))
+    exact = LLM(path, device="cpu", dtype="float32", weights="float32",
+                kv_cache_memory_bytes=4 * 2**20)
+    llm = LLM(path, device="cpu", dtype="float32", weights=weights,
+              kv_cache_memory_bytes=4 * 2**20, enable_prefix_caching=False)
+    loaded = llm.engine.loaded
+    report = loaded.compute_report()
+    assert report["weights"] == weights and report["isa"] == detect_isa().name
+    assert set(report["kernels"]) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj",
+                                      "lm_head"}
+    layers = [m for m in loaded.model.modules() if isinstance(m, LowPrecisionLinear)]
+    assert len(layers) == 2 * 4 + 1 and all(m.dense_twin is not None for m in layers)
+    assert loaded.fingerprint != exact.engine.loaded.fingerprint  # its KV is its own
+    prompts = [[1, 2, 3, 4, 5], list(range(10, 60)), list(range(100, 120))]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    assert [len(o.token_ids) for o in llm.generate(prompts, params)] == [6, 6, 6]
+    for layer in layers:  # every product on the kept fp32 twins: the exact mode's own numbers
+        layer.max_kernel_rows = 0
+    expected = [o.token_ids for o in exact.generate(prompts, params)]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert llm.engine.stats().num_blocks_used == 0

@@ -5,7 +5,9 @@ agent case: a shared ~2,000-token prefix (the coding agent's system prompt) and 
 request. Prints the CPU flags, torch's capability and the kernels each format chose. Measure the
 AVX2 path on a newer CPU with ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2``.
 
-    python benchmarks/weight_formats.py [--formats float32,int4,...] [--json out.json]
+    python -m benchmarks.weight_formats [--formats float32,int4,int4:dequantize,...] [--json F]
+
+A format may carry ``:dequantize`` (``--prefill-weights dequantize``: no dense fp32 twin).
 """
 
 from __future__ import annotations
@@ -17,19 +19,21 @@ import subprocess
 import sys
 import time
 
-FORMATS = ("float32", "bfloat16", "float16", "int8", "int4", "auto")
+FORMATS = ("float32", "bfloat16", "float16", "int8", "int4", "int4:dequantize", "auto")
 BATCHES = (1, 8, 32)
 
 
-def one_format(weights: str, prefix_tokens: int, max_tokens: int) -> dict[str, object]:
+def one_format(spec: str, prefix_tokens: int, max_tokens: int) -> dict[str, object]:
     """Runs in the child: load, cold and warm TTFT, then decode at each batch size."""
     import psutil
 
     from agentd import LLM, SamplingParams
     from benchmarks.cpu_levers import cold_ttft_s, decode_tok_s, prompts
 
+    weights, _, prefill = spec.partition(":")
     start = time.perf_counter()
-    llm = LLM(weights=weights, dtype="float32", kv_cache_memory="384MiB")
+    llm = LLM(weights=weights, dtype="float32", kv_cache_memory="384MiB",
+              prefill_weights=prefill or "keep")
     load_s = time.perf_counter() - start
     prefix, batch = prompts(llm.tokenizer, prefix_tokens, max(BATCHES))
     cold = cold_ttft_s(llm, prefix, repeats=2)
@@ -102,7 +106,8 @@ def main() -> None:
             print(f"{weights}: failed\n{proc.stderr[-2000:]}", flush=True)
             continue
         row = json.loads(proc.stdout.strip().splitlines()[-1])
-        row["label"] = weights if weights == row["weights"] else f"{weights} ({row['weights']})"
+        row["label"] = weights if weights.startswith(row["weights"]) else \
+            f"{weights} ({row['weights']})"
         rows.append(row)
         print(table([row])[-1], flush=True)
     lines += table(rows)

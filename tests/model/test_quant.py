@@ -10,7 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from agentd.config import EngineConfig
 from agentd.llm import LLM
+from agentd.model.dispatch import ACCURATE_FORMATS
 from agentd.model.gguf_groups import int4_groups, read_int4_groups
 from agentd.model.gguf_index import read_index
 from agentd.model.isa import detect_isa
@@ -169,3 +171,15 @@ def test_each_weight_format_serves_a_tiny_model(weights: str, tiny_model_factory
     expected = [o.token_ids for o in exact.generate(prompts, params)]
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
     assert llm.engine.stats().num_blocks_used == 0
+
+
+def test_weights_auto_picks_an_accurate_format_and_bad_pairs_fail(tiny_model_factory) -> None:
+    llm = LLM(str(tiny_model_factory("llama")), device="cpu", weights="auto",
+              kv_cache_memory_bytes=4 * 2**20)
+    assert llm.engine.loaded.weights in ACCURATE_FORMATS
+    with pytest.raises(ValueError, match="weights must be one of"):
+        EngineConfig(weights="int3")
+    with pytest.raises(ValueError, match="weights float32 needs dtype float32"):
+        EngineConfig(weights="float32", dtype="bfloat16")
+    with pytest.raises(ValueError, match="prefill_weights must be keep or dequantize"):
+        EngineConfig(weights="int4", prefill_weights="sometimes")

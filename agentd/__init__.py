@@ -9,17 +9,20 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "EngineConfig", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "EngineConfig",
+           "__version__"]
 
 if TYPE_CHECKING:
     from agentd.config import EngineConfig
     from agentd.llm import LLM
     from agentd.outputs import RequestOutput
     from agentd.sampling_params import SamplingParams
+    from agentd.structured.params import StructuredOutputsParams
 
 _LAZY = {
     "LLM": "agentd.llm",
     "SamplingParams": "agentd.sampling_params",
+    "StructuredOutputsParams": "agentd.structured.params",
     "RequestOutput": "agentd.outputs",
     "EngineConfig": "agentd.config",
 }

@@ -26,6 +26,7 @@ from agentd.engine import EngineStats, LLMEngine
 from agentd.outputs import StreamDelta
 from agentd.pins import PinResult, PinSummary
 from agentd.sampling_params import SamplingParams
+from agentd.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger("agentd")
 T = TypeVar("T")
@@ -220,8 +221,10 @@ class AsyncEngine:
     # --- requests --------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, cache_salt: str | None = None,
-                    max_in_flight: int | None = None) -> RequestStream:
-        """Queue a request and return its stream of deltas.
+                    max_in_flight: int | None = None, grammar: Any = None) -> RequestStream:
+        """Queue a request and return its stream of deltas. ``grammar`` is its compiled output
+        constraint (``compile_grammar``); a constrained request must bring it, so the engine
+        thread never compiles.
 
         Raises at once, with nothing queued: ValueError for an empty or too-long prompt,
         EngineBusyError when ``max_in_flight`` requests are in flight already, EngineDeadError
@@ -229,6 +232,8 @@ class AsyncEngine:
         """
         self._check_alive()
         self._validate(prompt_token_ids)
+        if params.structured_outputs is not None and grammar is None:
+            raise ValueError("a constrained request needs its grammar: await compile_grammar()")
         if max_in_flight is not None and len(self._streams) >= max_in_flight:
             raise EngineBusyError(
                 f"the server is busy: {len(self._streams)} requests are in flight (the limit "
@@ -238,12 +243,18 @@ class AsyncEngine:
 
         def add() -> None:
             try:
-                self.engine.add_request(prompt_token_ids, params, stream.request_id, cache_salt)
+                self.engine.add_request(prompt_token_ids, params, stream.request_id, cache_salt,
+                                        grammar)
             except Exception as exc:  # validation raced with a config detail: report it
                 self._post(stream.request_id, exc)
 
         self._commands.put(add)
         return stream
+
+    async def compile_grammar(self, params: StructuredOutputsParams) -> Any:
+        """Compile (or fetch from the cache) an output constraint on a worker thread, off the
+        event loop and the engine thread. Raises GrammarError for one that cannot compile."""
+        return await asyncio.to_thread(self.engine.grammars.compile, params)
 
     @property
     def num_in_flight(self) -> int:

@@ -58,6 +58,7 @@ class EngineConfig:
     cpu_linear: str = "onednn"  # "onednn" (packed weights) or "torch" (F.linear, MKL)
     seed: int = 0
     num_threads: int | None = None
+    jump_forward: bool = True  # append the tokens a grammar forces without a step each
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -11,6 +11,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from agentd.cache import KVCacheManager
 from agentd.config import EngineConfig
@@ -24,8 +25,13 @@ from agentd.runner import ModelRunner
 from agentd.sampler import Sampler
 from agentd.sampling_params import SamplingParams
 from agentd.scheduler import Scheduler
+from agentd.structured.compiler import GrammarCompiler
+from agentd.structured.jump_forward import plan_jump
+from agentd.structured.matchers import StructuredOutputs
 
 logger = logging.getLogger("agentd")
+GRAMMAR_DEAD_END = ("the output constraint allows no further token (a grammar dead end); the "
+                    "output so far is kept")
 
 
 @dataclass
@@ -47,6 +53,7 @@ class EngineStats:
     num_model_tokens: int  # tokens that actually went through the model (prefill + decode)
     num_blocks_pinned: int
     num_pins: int
+    num_jump_forward_tokens: int = 0  # output tokens a grammar forced, appended without a step
 
 
 @dataclass
@@ -81,6 +88,9 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.num_blocks, block_size, self.loaded.device,
                                   self.loaded.dtype, backend)
         self.sampler = Sampler(self.loaded.device)
+        vocab_size = model.dims.vocab_size
+        self.grammars = GrammarCompiler(self.tokenizer, vocab_size, self.loaded.eos_token_ids)
+        self.structured = StructuredOutputs(vocab_size)
         self.pins = PinManager(self.kv_cache, self.tokenizer,
                                int(config.max_pinned_fraction * self.num_blocks))
         self.scheduler.prefix_extension = self.pins.tail_after
@@ -88,7 +98,8 @@ class LLMEngine:
         self.expired_pins: list[str] = []  # pins whose TTL lapsed, for the registry owner
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
-        self._totals = {"prompt": 0, "generation": 0, "finished": 0, "steps": 0, "model": 0}
+        self._totals = {"prompt": 0, "generation": 0, "finished": 0, "steps": 0, "model": 0,
+                        "jump_forward": 0}
         logger.info("kv cache: %d blocks of %d tokens (%d tokens), max_model_len %d, "
                     "attention backend %s", self.num_blocks, block_size,
                     self.num_blocks * block_size, self.max_model_len, backend.name)
@@ -109,14 +120,22 @@ class LLMEngine:
         return asked or limit
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None, cache_salt: str | None = None) -> str:
-        """Queue a request. Raises ValueError for an empty or too-long prompt (nothing changes)."""
+                    request_id: str | None = None, cache_salt: str | None = None,
+                    grammar: Any = None) -> str:
+        """Queue a request. Raises ValueError for an empty or too-long prompt, GrammarError for
+        a constraint that does not compile (nothing changes either way).
+
+        ``grammar`` is ``params.structured_outputs`` compiled by ``self.grammars`` already (the
+        server compiles off this thread); without it, the constraint is compiled here.
+        """
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._tracked:
             raise ValueError(f"request id {request_id!r} is already in use")
         vocab_size = self.loaded.model.dims.vocab_size
         if any(not 0 <= t < vocab_size for t in prompt_token_ids):
             raise ValueError(f"prompt token ids must be within [0, {vocab_size})")
+        if params.structured_outputs is not None and grammar is None:
+            grammar = self.grammars.compile(params.structured_outputs)
         room = self.max_model_len - len(prompt_token_ids)
         max_output = room if params.max_tokens is None else min(params.max_tokens, room)
         request = Request(request_id, list(prompt_token_ids), params, max(max_output, 1),
@@ -125,6 +144,8 @@ class LLMEngine:
         detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop,
                                        params.include_stop_str_in_output)
         self._tracked[request_id] = _Tracked(request, detok)
+        if grammar is not None:
+            self.structured.add(request_id, grammar)
         self._totals["prompt"] += len(prompt_token_ids)
         return request_id
 
@@ -186,6 +207,7 @@ class LLMEngine:
         self._totals["steps"] += 1
         self._totals["model"] += result.num_tokens
         requests = [self.scheduler.requests[rid] for rid in result.request_ids]
+        dead_ends = set(self.structured.apply(result.logits, result.request_ids))
         token_ids = self.sampler.sample(result.logits, requests)
         now = time.monotonic()
         for request in self.scheduler.update_from_output(out, dict(zip(result.request_ids,
@@ -193,14 +215,54 @@ class LLMEngine:
             tracked = self._tracked[request.request_id]
             if request.first_token_time_s is None:
                 request.first_token_time_s = now
-            tracked.detokenizer.add_token(request.all_token_ids[-1])
+            first_new = request.num_tokens - 1
+            if request.request_id in self.structured:
+                if not self._advance_grammar(request, request.request_id in dead_ends):
+                    deltas.append(self._delta(tracked, finished=True, error=GRAMMAR_DEAD_END,
+                                              error_code="grammar_dead_end"))
+                    continue
+                if self.config.jump_forward and not request.status.finished:
+                    self._jump_forward(request)
+            for token_id in request.all_token_ids[first_new:]:
+                tracked.detokenizer.add_token(token_id)
             if tracked.detokenizer.stop_reason is not None and not request.status.finished:
                 request.stop_reason = tracked.detokenizer.stop_reason
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
             deltas.append(self._delta(tracked, finished=request.status.finished))
         return deltas
 
-    def _delta(self, tracked: _Tracked, finished: bool, error: str | None = None) -> StreamDelta:
+    def _advance_grammar(self, request: Request, dead_end: bool) -> bool:
+        """Feed the sampled token to the request's matcher; False (request finished) when the
+        grammar had no legal token or rejects it. A complete grammar finishes the request."""
+        rid = request.request_id
+        if dead_end or not self.structured.accept(rid, request.all_token_ids[-1]):
+            self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
+            return False
+        if self.structured.is_terminated(rid) and not request.status.finished:
+            self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
+        return True
+
+    def _jump_forward(self, request: Request) -> None:
+        """Append the tokens the grammar forces next (see ``agentd.structured.jump_forward``);
+        their KV is computed in the next step, with the request's next token, as one chunk."""
+        rid = request.request_id
+        jump = plan_jump(self.tokenizer, request.output_token_ids,
+                         self.structured.forced_text(rid))
+        if jump is None:
+            return
+        self.structured.rollback(rid, jump.num_replaced)
+        del request.all_token_ids[len(request.all_token_ids) - jump.num_replaced:]
+        room = request.max_output_tokens - request.num_output_tokens
+        for token_id in jump.token_ids[:room]:
+            if not self.structured.accept(rid, token_id):
+                break  # cannot happen: the grammar forced this text
+            request.append_token(token_id)
+        self._totals["jump_forward"] += min(len(jump.token_ids), room) - jump.num_replaced
+        if request.num_output_tokens >= request.max_output_tokens:
+            self.scheduler.finish_request(rid, RequestStatus.FINISHED_LENGTH)
+
+    def _delta(self, tracked: _Tracked, finished: bool, error: str | None = None,
+               error_code: str | None = None) -> StreamDelta:
         request = tracked.request
         new_ids = request.output_token_ids[tracked.num_emitted_tokens:]
         tracked.num_emitted_tokens = request.num_output_tokens
@@ -213,6 +275,7 @@ class LLMEngine:
                     self.pin_results[request.request_id] = result
             del self._tracked[request.request_id]
             self.sampler.forget(request.request_id)
+            self.structured.remove(request.request_id)
             self._totals["finished"] += 1
             self._totals["generation"] += request.num_output_tokens
         return StreamDelta(
@@ -225,6 +288,7 @@ class LLMEngine:
             finish_reason=request.status.value if finished else None,
             stop_reason=request.stop_reason,
             error=error,
+            error_code=error_code or ("context_length_exceeded" if error else None),
             first_token_time_s=request.first_token_time_s,
             arrival_time_s=request.arrival_time_s,
         )
@@ -250,4 +314,5 @@ class LLMEngine:
             num_model_tokens=self._totals["model"],
             num_blocks_pinned=self.pins.registry.num_pinned_blocks,
             num_pins=len(self.pins.registry),
+            num_jump_forward_tokens=self._totals["jump_forward"],
         )

@@ -5,6 +5,7 @@ Invariant: outputs come back one per prompt, in the order given, whatever order 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,14 +44,26 @@ class LLM:
         return self._run(token_lists, params)
 
     def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
-             tools: list[dict] | None = None) -> list[RequestOutput]:
-        """Render conversations through the chat template, then generate."""
+             tools: list[dict] | None = None, tool_choice: str | dict | None = None,
+             parallel_tool_calls: bool | None = None) -> list[RequestOutput]:
+        """Render conversations through the chat template, then generate.
+
+        With ``tools`` (OpenAI format) the turn is constrained as the server constrains it:
+        every ``<tool_call>`` in the output names one of them with valid arguments
+        (``agentd.tool_parser.parse_tool_calls`` splits the text); ``tool_choice`` "required"
+        or a named function makes the turn calls only, "none" renders no tools.
+        """
         from agentd.chat import render_chat
+        from agentd.structured.params import tool_calls_params
 
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        token_lists = [render_chat(self.tokenizer, list(conv), tools, None).prompt_token_ids
+        token_lists = [render_chat(self.tokenizer, list(conv), tools, tool_choice).prompt_token_ids
                        for conv in conversations]
-        return self._run(token_lists, params or SamplingParams())
+        params = params or SamplingParams()
+        constraint = tool_calls_params(tools or [], tool_choice, parallel_tool_calls)
+        if constraint is not None and params.structured_outputs is None:
+            params = dataclasses.replace(params, structured_outputs=constraint)
+        return self._run(token_lists, params)
 
     def _encode(self, prompt: PromptLike) -> list[int]:
         if isinstance(prompt, str):

@@ -27,8 +27,8 @@ class StreamDelta:
     """One step's news for a streaming client.
 
     ``text`` and ``token_ids`` are what is new since the previous delta. ``finish_reason`` is set
-    on the last delta only ("stop", "length" or "abort"); ``error`` is set when the engine failed
-    the request.
+    on the last delta only ("stop", "length" or "abort"); ``error`` (and ``error_code``) is set
+    when the engine failed the request.
     """
 
     request_id: str
@@ -40,6 +40,7 @@ class StreamDelta:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: str | None = None
+    error_code: str | None = None  # "context_length_exceeded" or "grammar_dead_end"
     first_token_time_s: float | None = None
     arrival_time_s: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from agentd.structured.params import StructuredOutputsParams
+
 _GREEDY_EPS = 1e-5
 
 
@@ -14,7 +16,8 @@ class SamplingParams:
     ``temperature`` below 1e-5 (vLLM's epsilon) is greedy: dividing logits by a smaller one
     overflows float32 to inf, and one NaN row would fail the whole batch's step. ``top_k`` of
     ``None`` (or 0) disables top-k; ``top_p`` of 1.0 disables nucleus sampling. ``seed`` makes
-    a sampled request reproducible on its own.
+    a sampled request reproducible on its own. ``structured_outputs`` constrains the output to
+    a JSON schema, regex, choice, grammar or tool-call turn (vLLM's name for the field).
     """
 
     max_tokens: int | None = 16
@@ -29,6 +32,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     include_stop_str_in_output: bool = False
     n: int = 1
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -1,16 +1,19 @@
 """Parse ``<tool_call>{json}</tool_call>`` blocks out of generated text, whole or streamed.
 
-Invariant: for any text and any way of cutting it into chunks, the events of
-``ToolCallStreamParser`` (content concatenated, tool calls in order) equal ``parse_tool_calls`` on
-the whole text, ids aside. The rules both follow:
+Invariant: ``parse_tool_calls(text)`` is ``ToolCallStreamParser`` fed ``text`` at once, and for
+any way of cutting ``text`` into chunks the parser's events add up to the same content and the
+same calls (ids aside). The rules:
 
-- A block is ``<tool_call>`` up to the first ``</tool_call>`` after it. It is a tool call when its
-  inside is a JSON object with a string ``name`` and ``arguments`` (or Llama's ``parameters``)
-  that is an object or a string holding one; otherwise the block stays in the content verbatim.
+- A block opening with the canonical header ``{"name": "NAME", "arguments": {`` (the layout
+  constrained decoding forces, whitespace before it allowed) is a call from that point on: its id
+  and name are released at once and its arguments stream as the model writes them, up to the end
+  of that JSON object. Generation cut short inside the arguments leaves the call with partial
+  arguments (the reply's ``finish_reason`` says it was cut).
+- Any other block is ``<tool_call>`` up to the first ``</tool_call>`` after it; it is a call when
+  its inside is a JSON object with a string ``name`` and ``arguments`` (or Llama's
+  ``parameters``) that is an object or a string holding one; otherwise it stays in the content
+  verbatim. Unclosed, it is content.
 - Whitespace touching a tool call (the template's newlines around it) is not content.
-- An unclosed block at the end is content.
-- With ``allow_bare_json`` (tool_choice required or named), a whole output that is one such JSON
-  object, without tags, is a tool call as well.
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ from typing import Any
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
 _CALL_KEYS = {"name", "arguments", "parameters"}
-_BLOCK = re.compile(re.escape(TOOL_CALL_OPEN) + r"(.*?)" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
+_HEADER_START = '{"name": "'
+_ARGUMENT_KEYS = ('", "arguments": ', '", "parameters": ')
+_NAME = re.compile(r"[A-Za-z0-9_.-]*")
 
 
 def new_tool_call_id() -> str:
@@ -50,27 +55,32 @@ class ContentEvent:
 
 
 @dataclass(frozen=True)
-class ToolCallEvent:
+class CallStartEvent:
+    """A call begins: its index in the turn, its id and its function name."""
+
     index: int
-    tool_call: ParsedToolCall
+    id: str
+    name: str
 
 
-StreamEvent = ContentEvent | ToolCallEvent
+@dataclass(frozen=True)
+class CallArgumentsEvent:
+    """More of call ``index``'s arguments JSON."""
+
+    index: int
+    text: str
 
 
-def parse_tool_call_json(text: str, bare: bool = False) -> ParsedToolCall | None:
-    """The call that ``text`` spells as ``{"name": ..., "arguments": {...}}``, or None.
+StreamEvent = ContentEvent | CallStartEvent | CallArgumentsEvent
 
-    A ``bare`` object (no tags around it) must hold nothing but those keys, so that an ordinary
-    JSON answer is not mistaken for a call.
-    """
+
+def parse_tool_call_json(text: str) -> ParsedToolCall | None:
+    """The call that ``text`` spells as ``{"name": ..., "arguments": {...}}``, or None."""
     try:
         obj = json.loads(text)
     except (ValueError, RecursionError):
         return None
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
-        return None
-    if bare and not (obj.keys() <= _CALL_KEYS and obj.keys() & {"arguments", "parameters"}):
         return None
     arguments = _arguments(obj.get("arguments", obj.get("parameters", {})))
     if arguments is None:
@@ -89,35 +99,28 @@ def _arguments(value: Any) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def parse_tool_calls(text: str, allow_bare_json: bool = False) -> ParsedOutput:
+def parse_tool_calls(text: str) -> ParsedOutput:
     """Split generated ``text`` into content and tool calls. Never raises on model output."""
-    pieces: list[str | ParsedToolCall] = []
-    pos = 0
-    for match in _BLOCK.finditer(text):
-        call = parse_tool_call_json(match.group(1))
-        if call is not None:
-            pieces.extend([text[pos : match.start()], call])
-            pos = match.end()
-    pieces.append(text[pos:])
-    calls = [p for p in pieces if isinstance(p, ParsedToolCall)]
-    if not calls and allow_bare_json and text.lstrip().startswith("{"):
-        bare = parse_tool_call_json(text, bare=True)
-        if bare is not None:
-            return ParsedOutput(content="", tool_calls=[bare])
-    return ParsedOutput(content=_join_content(pieces), tool_calls=calls)
+    parser = ToolCallStreamParser()
+    return assemble(parser.feed(text) + parser.finish())
 
 
-def _join_content(pieces: list[str | ParsedToolCall]) -> str:
-    out: list[str] = []
-    for i, piece in enumerate(pieces):
-        if isinstance(piece, ParsedToolCall):
-            continue
-        if i > 0:
-            piece = piece.lstrip()
-        if i + 1 < len(pieces):
-            piece = piece.rstrip()
-        out.append(piece)
-    return "".join(out)
+def assemble(events: list[StreamEvent]) -> ParsedOutput:
+    """Content and calls from a turn's events."""
+    content: list[str] = []
+    calls: dict[int, list[str]] = {}  # index -> [id, name, arguments...]
+    for event in events:
+        if isinstance(event, ContentEvent):
+            content.append(event.text)
+        elif isinstance(event, CallStartEvent):
+            calls[event.index] = [event.id, event.name]
+        else:
+            calls[event.index].append(event.text)
+    return ParsedOutput(
+        content="".join(content),
+        tool_calls=[ParsedToolCall(name=parts[1], arguments_json="".join(parts[2:]),
+                                   id=parts[0]) for _, parts in sorted(calls.items())],
+    )
 
 
 def _partial_open_len(text: str) -> int:
@@ -128,53 +131,64 @@ def _partial_open_len(text: str) -> int:
     return 0
 
 
-class ToolCallStreamParser:
-    """Incremental ``parse_tool_calls``: content is released as soon as it cannot belong to a tool
-    call; only a possible partial ``<tool_call>`` tag and trailing whitespace are held back."""
+class _JsonObjectEnd:
+    """Finds where a JSON object that starts with ``{`` ends, fed piece by piece."""
 
-    def __init__(self, allow_bare_json: bool = False) -> None:
+    def __init__(self) -> None:
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False
+
+    def scan(self, text: str) -> int | None:
+        """How much of ``text`` belongs to the object, when it ends in ``text``; else None."""
+        for i, char in enumerate(text):
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif char == "\\":
+                    self.escaped = True
+                elif char == '"':
+                    self.in_string = False
+            elif char == '"':
+                self.in_string = True
+            elif char in "{[":
+                self.depth += 1
+            elif char in "}]":
+                self.depth -= 1
+                if self.depth == 0:
+                    return i + 1
+        return None
+
+
+class ToolCallStreamParser:
+    """Incremental tool-call parsing: content is released as soon as it cannot belong to a call;
+    only a possible partial ``<tool_call>`` tag, trailing whitespace and an undecided block
+    header are held back."""
+
+    def __init__(self) -> None:
         self._buffer = ""  # text not yet classified
         self._held_ws = ""  # whitespace before an open block; dropped if the block is a call
-        self._in_block = False
+        self._state = "content"  # content | header | arguments | closing | block
         self._after_call = False  # leading whitespace is dropped right after a tool call
-        self._bare_pending = allow_bare_json  # output may still be one bare JSON object
         self._num_calls = 0
+        self._object_end = _JsonObjectEnd()
 
     def feed(self, delta_text: str) -> list[StreamEvent]:
         self._buffer += delta_text
-        if self._bare_pending:
-            head = self._buffer.lstrip()
-            if not head or head.startswith("{"):
-                return []
-            self._bare_pending = False
-        return self._drain()
-
-    def finish(self) -> list[StreamEvent]:
-        if self._bare_pending:
-            return self._events_of(parse_tool_calls(self._buffer, allow_bare_json=True))
-        events = self._drain()
-        if self._in_block:
-            text = self._held_ws + TOOL_CALL_OPEN + self._buffer
-        else:
-            text = self._buffer if not self._after_call else self._buffer.lstrip()
-        self._buffer = ""
-        return events + self._content(text)
-
-    def _events_of(self, parsed: ParsedOutput) -> list[StreamEvent]:
-        events = self._content(parsed.content)
-        for call in parsed.tool_calls:
-            events.append(ToolCallEvent(index=self._num_calls, tool_call=call))
-            self._num_calls += 1
-        self._buffer = ""
+        events: list[StreamEvent] = []
+        while (step := getattr(self, f"_{self._state}_step")()) is not None:
+            events.extend(step)
         return events
 
-    def _drain(self) -> list[StreamEvent]:
-        events: list[StreamEvent] = []
-        while True:
-            step = self._block_step() if self._in_block else self._content_step()
-            if step is None:
-                return events
-            events.extend(step)
+    def finish(self) -> list[StreamEvent]:
+        events = self.feed("")
+        text, self._buffer = self._buffer, ""
+        if self._state in ("header", "block"):  # an unclosed block is content
+            events += self._content(self._held_ws + TOOL_CALL_OPEN + text)
+        elif self._state == "content":
+            events += self._content(text.lstrip() if self._after_call else text)
+        self._state = "content"
+        return events
 
     def _content_step(self) -> list[StreamEvent] | None:
         if self._after_call:
@@ -184,31 +198,76 @@ class ToolCallStreamParser:
         start = self._buffer.find(TOOL_CALL_OPEN)
         if start >= 0:
             before = self._buffer[:start]
-            self._held_ws = before[len(before.rstrip()) :]
-            self._buffer = self._buffer[start + len(TOOL_CALL_OPEN) :]
-            self._in_block, self._after_call = True, False
+            self._held_ws = before[len(before.rstrip()):]
+            self._buffer = self._buffer[start + len(TOOL_CALL_OPEN):]
+            self._state, self._after_call = "header", False
             return self._content(before.rstrip())
         body = self._buffer[: len(self._buffer) - _partial_open_len(self._buffer)]
         ready = body.rstrip()
         if not ready:
             return None
-        self._buffer = self._buffer[len(ready) :]
+        self._buffer = self._buffer[len(ready):]
         self._after_call = False
         return self._content(ready)
+
+    def _header_step(self) -> list[StreamEvent] | None:
+        """Decide whether the block opens with the canonical header (then the call starts now)
+        or not (then it is parsed whole once it closes)."""
+        text = self._buffer.lstrip()
+        if not text or _HEADER_START.startswith(text):
+            return None
+        name_and_rest = text[len(_HEADER_START):] if text.startswith(_HEADER_START) else None
+        if name_and_rest is None:
+            self._state = "block"
+            return []
+        name = _NAME.match(name_and_rest).group()  # type: ignore[union-attr]
+        rest = name_and_rest[len(name):]
+        if any(key.startswith(rest) for key in _ARGUMENT_KEYS):
+            return None  # undecided yet ("" included)
+        key = next((k for k in _ARGUMENT_KEYS if rest.startswith(k)), None)
+        if key is None or not name or rest[len(key)] != "{":
+            self._state = "block"
+            return []
+        self._buffer = rest[len(key):]
+        self._state, self._held_ws = "arguments", ""
+        self._object_end = _JsonObjectEnd()
+        self._num_calls += 1
+        return [CallStartEvent(self._num_calls - 1, new_tool_call_id(), name)]
+
+    def _arguments_step(self) -> list[StreamEvent] | None:
+        if not self._buffer:
+            return None
+        end = self._object_end.scan(self._buffer)
+        piece = self._buffer if end is None else self._buffer[:end]
+        self._buffer = "" if end is None else self._buffer[end:]
+        if end is not None:
+            self._state = "closing"
+        return [CallArgumentsEvent(self._num_calls - 1, piece)]
+
+    def _closing_step(self) -> list[StreamEvent] | None:
+        """After a call's arguments: skip its closing brace and tag."""
+        end = self._buffer.find(TOOL_CALL_CLOSE)
+        if end < 0:
+            return None
+        self._buffer = self._buffer[end + len(TOOL_CALL_CLOSE):]
+        self._state, self._after_call = "content", True
+        return []
 
     def _block_step(self) -> list[StreamEvent] | None:
         end = self._buffer.find(TOOL_CALL_CLOSE)
         if end < 0:
             return None
         inside = self._buffer[:end]
-        self._buffer = self._buffer[end + len(TOOL_CALL_CLOSE) :]
-        self._in_block = False
+        self._buffer = self._buffer[end + len(TOOL_CALL_CLOSE):]
+        self._state = "content"
         call = parse_tool_call_json(inside)
         if call is None:
             return self._content(self._held_ws + TOOL_CALL_OPEN + inside + TOOL_CALL_CLOSE)
         self._held_ws, self._after_call = "", True
         self._num_calls += 1
-        return [ToolCallEvent(index=self._num_calls - 1, tool_call=call)]
+        index = self._num_calls - 1
+        return [CallStartEvent(index, call.id, call.name),
+                CallArgumentsEvent(index, call.arguments_json)]
 
     @staticmethod
     def _content(text: str) -> list[StreamEvent]:

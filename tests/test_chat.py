@@ -22,11 +22,13 @@ from agentd.chat import (
     tools_json,
 )
 from agentd.tool_parser import (
+    CallArgumentsEvent,
+    CallStartEvent,
     ContentEvent,
     ParsedOutput,
     StreamEvent,
-    ToolCallEvent,
     ToolCallStreamParser,
+    assemble,
     parse_tool_calls,
 )
 
@@ -292,7 +294,8 @@ def test_parse_normalizes_arguments() -> None:
         '<tool_call>{"arguments": {}}</tool_call>',
         '<tool_call>{"name": "f", "arguments": [1]}</tool_call>',
         '<tool_call>["f"]</tool_call>',
-        f"cut off <tool_call>\n{CALL}",
+        'cut off <tool_call>\n{"name": "get_weather"',
+        'cut off <tool_call>\n{"name": "get_weather", "argu',
         "<tool_call",
     ],
 )
@@ -300,18 +303,17 @@ def test_malformed_blocks_stay_content(text: str) -> None:
     assert summary(parse_tool_calls(text)) == (text, [])
 
 
-def test_bare_json_only_when_allowed() -> None:
-    assert summary(parse_tool_calls(f"  {CALL}\n", allow_bare_json=True)) == (
-        "",
-        [("get_weather", '{"city": "Paris"}')],
-    )
-    assert summary(parse_tool_calls(CALL)) == (CALL, [])
-    answer = '{"name": "Bob", "age": 3}'
-    assert summary(parse_tool_calls(answer, allow_bare_json=True)) == (answer, [])
+def test_a_call_whose_header_is_complete_is_a_call_even_cut_short() -> None:
+    """Constrained decoding forces the canonical header, so once it is complete the block is a
+    call; a generation cut inside the arguments (max_tokens) keeps the partial arguments."""
+    assert summary(parse_tool_calls(f"ok\n<tool_call>\n{CALL}")) == (
+        "ok", [("get_weather", '{"city": "Paris"}')])
+    cut = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'
+    assert summary(parse_tool_calls(cut)) == ("", [("get_weather", '{"city": "Pa')])
 
 
-def run_stream(chunks: list[str], allow_bare_json: bool = False) -> list[StreamEvent]:
-    parser = ToolCallStreamParser(allow_bare_json=allow_bare_json)
+def run_stream(chunks: list[str]) -> list[StreamEvent]:
+    parser = ToolCallStreamParser()
     events: list[StreamEvent] = []
     for chunk in chunks:
         events.extend(parser.feed(chunk))
@@ -319,32 +321,38 @@ def run_stream(chunks: list[str], allow_bare_json: bool = False) -> list[StreamE
 
 
 def stream_summary(events: list[StreamEvent]) -> tuple[str, list[tuple[str, str]]]:
-    content = "".join(e.text for e in events if isinstance(e, ContentEvent))
-    calls = [e for e in events if isinstance(e, ToolCallEvent)]
-    assert [e.index for e in calls] == list(range(len(calls)))
-    return content, [(e.tool_call.name, e.tool_call.arguments_json) for e in calls]
+    starts = [e.index for e in events if isinstance(e, CallStartEvent)]
+    assert starts == list(range(len(starts)))
+    return summary(assemble(events))
 
 
-def test_stream_releases_content_early() -> None:
+def test_stream_releases_content_and_calls_early() -> None:
     parser = ToolCallStreamParser()
     assert parser.feed("Hello wor") == [ContentEvent("Hello wor")]
     assert parser.feed("ld <tool") == [ContentEvent("ld")]
     assert parser.feed("box") == [ContentEvent(" <toolbox")]
     assert parser.feed("\n<tool_call>\n" + CALL[:10]) == []
-    events = parser.feed(CALL[10:] + "\n</tool_call>")
-    assert [type(e) for e in events] == [ToolCallEvent]
-    assert events[0].index == 0 and events[0].tool_call.name == "get_weather"
+    assert parser.feed(CALL[10:37]) == []  # the name, but not yet where its arguments start
+    start, first = parser.feed(CALL[37:40])  # '{"c': the call starts
+    assert isinstance(start, CallStartEvent)
+    assert (start.index, start.name) == (0, "get_weather")
+    assert first == CallArgumentsEvent(0, '{"c')
+    assert parser.feed(CALL[40:48]) == [CallArgumentsEvent(0, CALL[40:48])]
+    assert parser.feed(CALL[48:] + "\n</tool_call>") == [CallArgumentsEvent(0, CALL[48:-1])]
     assert parser.feed("\n") == []
     assert parser.finish() == []
 
 
 def test_stream_unclosed_block_flushes_as_content() -> None:
-    text = f"ok\n<tool_call>\n{CALL}"
+    text = 'ok\n<tool_call>\n{"name": "f", "x": 1}'
     assert stream_summary(run_stream([text[:5], text[5:]])) == (text, [])
 
 
 FRAGMENTS = [
     f"<tool_call>{CALL}</tool_call>",
+    '<tool_call>\n{"name": "g", "arguments": {',
+    '"s": "}{\\"]"',
+    "}}",
     f"\n<tool_call>\n{CALL}\n</tool_call>\n",
     "<tool_call>{broken}</tool_call>",
     "<tool_call>",
@@ -376,11 +384,10 @@ def chunked_texts(draw: st.DrawFn) -> tuple[str, list[str]]:
 
 
 @settings(max_examples=400, deadline=None)
-@given(chunked_texts(), st.booleans())
-def test_stream_matches_whole_text_parse(case: tuple[str, list[str]], bare: bool) -> None:
+@given(chunked_texts())
+def test_stream_matches_whole_text_parse(case: tuple[str, list[str]]) -> None:
     text, chunks = case
-    expected = summary(parse_tool_calls(text, allow_bare_json=bare))
-    assert stream_summary(run_stream(chunks, allow_bare_json=bare)) == expected
+    assert stream_summary(run_stream(chunks)) == summary(parse_tool_calls(text))
 
 
 @settings(max_examples=200, deadline=None)

@@ -1,8 +1,8 @@
 """OpenAI wire types (msgspec Structs) and the checks a request passes before it reaches the engine.
 
 Invariants: unknown request fields are ignored (agent frameworks send extras), but known fields
-that agentd does not support (``n > 1``, logprobs, JSON-schema response formats) are rejected
-with a 400 naming the field. Response Structs encode exactly like OpenAI's: streaming deltas omit
+that agentd does not support (``n > 1``, logprobs, ``logit_bias``) are rejected with a 400
+naming the field. Response Structs encode exactly like OpenAI's: streaming deltas omit
 unset fields, ``logprobs`` is always ``null``, and ``usage.prompt_tokens_details.cached_tokens``
 is always present.
 """
@@ -80,7 +80,45 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
 
 
-class ChatCompletionRequest(msgspec.Struct, kw_only=True):
+class JSONSchemaFormat(msgspec.Struct, kw_only=True):
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema``."""
+
+    type: str
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsBody(msgspec.Struct, kw_only=True):
+    """vLLM's ``structured_outputs`` extension (set one of json, regex, choice, grammar,
+    json_object)."""
+
+    json: dict[str, Any] | str | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool | None = None
+
+
+class ConstraintFields(msgspec.Struct, kw_only=True):
+    """The output-constraint fields chat and text completions share: OpenAI's
+    ``response_format``, vLLM's ``structured_outputs`` and its older ``guided_*`` fields."""
+
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsBody | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+
+class ChatCompletionRequest(ConstraintFields, kw_only=True):
     messages: list[ChatMessage]
     model: str | None = None
     max_tokens: int | None = None
@@ -100,14 +138,13 @@ class ChatCompletionRequest(msgspec.Struct, kw_only=True):
     tools: list[Tool] | None = None
     tool_choice: str | ToolChoiceNamed | None = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     ignore_eos: bool = False  # vLLM extension
     cache_salt: str | None = None  # vLLM extension
 
 
-class CompletionRequest(msgspec.Struct, kw_only=True):
+class CompletionRequest(ConstraintFields, kw_only=True):
     prompt: str | list[str | int | list[int]]
     model: str | None = None
     max_tokens: int | None = None
@@ -324,7 +361,6 @@ def validate_chat_request(req: ChatCompletionRequest, max_model_len: int) -> Non
         )
     if req.top_logprobs:
         raise RequestValidationError("top_logprobs is not supported; omit it", "top_logprobs")
-    _check_response_format(req.response_format)
     _check_sampling(req, max_model_len)
     tool_names = _check_tools(req.tools or [])
     _check_tool_choice(req.tool_choice, tool_names)
@@ -444,14 +480,6 @@ def _check_sampling(req: ChatCompletionRequest | CompletionRequest, max_model_le
         )
     if any(not s for s in stops):
         raise RequestValidationError("stop sequences must be non-empty strings", "stop")
-
-
-def _check_response_format(response_format: dict[str, Any] | None) -> None:
-    kind = (response_format or {}).get("type", "text")
-    if kind != "text":
-        raise RequestValidationError(
-            f"response_format type {kind!r} is not supported; only 'text' is", "response_format"
-        )
 
 
 def _check_tools(tools: list[Tool]) -> list[str]:

@@ -18,6 +18,7 @@ from litestar.openapi import ResponseSpec
 from litestar.params import Body
 from litestar.response import Stream
 
+from agentd.server.constraints import compile_constraint
 from agentd.server.protocol import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -62,10 +63,11 @@ class OpenAIController(Controller):
         engine = server.require_engine()
         model = server.check_model(data.model)
         plan = plan_chat(data, engine, model, int(time.time()))
+        grammar = await compile_constraint(engine, plan.constraint)
         on_finish = partial(server.metrics.observe_finished, model)
         deltas = submit(engine, plan.prompt_token_ids, plan.params, plan.request_id,
                         effective_cache_salt(cache_tenant(request), plan.cache_salt),
-                        server.max_in_flight(engine))
+                        server.max_in_flight(engine), grammar)
         server.arrived(request.scope)
         if data.stream:
             return event_stream(stream_chat(plan, deltas, on_finish))
@@ -79,10 +81,11 @@ class OpenAIController(Controller):
         engine = server.require_engine()
         model = server.check_model(data.model)
         plan = plan_completion(data, engine, model, int(time.time()))
+        grammar = await compile_constraint(engine, plan.constraint)
         on_finish = partial(server.metrics.observe_finished, model)
         deltas = submit(engine, plan.prompt_token_ids, plan.params, plan.request_id,
                         effective_cache_salt(cache_tenant(request), plan.cache_salt),
-                        server.max_in_flight(engine))
+                        server.max_in_flight(engine), grammar)
         server.arrived(request.scope)
         if data.stream:
             return event_stream(stream_text(plan, deltas, on_finish))

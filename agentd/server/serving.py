@@ -39,12 +39,13 @@ def new_request_id(prefix: str) -> str:
 
 def submit(engine: AsyncEngine, prompt_token_ids: list[int], params: SamplingParams,
            request_id: str, cache_salt: str | None,
-           max_in_flight: int | None = None) -> RequestStream:
-    """Queue the request; the engine's at-once rejections become OpenAI errors (503 when
-    ``max_in_flight`` requests are in flight already, with ``Retry-After``)."""
+           max_in_flight: int | None = None, grammar: Any = None) -> RequestStream:
+    """Queue the request (with its compiled output constraint, if any); the engine's at-once
+    rejections become OpenAI errors (503 when ``max_in_flight`` requests are in flight already,
+    with ``Retry-After``)."""
     try:
         return engine.add_request(prompt_token_ids, params, request_id, cache_salt,
-                                  max_in_flight)
+                                  max_in_flight, grammar)
     except EngineBusyError as exc:
         raise APIError(503, str(exc), code="server_busy",
                        headers={"Retry-After": str(RETRY_AFTER_S)}) from exc
@@ -69,7 +70,10 @@ def effective_cache_salt(tenant: str | None, client_salt: str | None) -> str | N
 
 
 def delta_error(delta: StreamDelta) -> APIError:
-    """The engine finished ``delta``'s request with an error (it can never fit in the pool)."""
+    """The engine finished ``delta``'s request with an error: it can never fit in the pool, or
+    its output constraint reached a dead end."""
+    if delta.error_code == "grammar_dead_end":
+        return APIError(500, str(delta.error), code="grammar_dead_end")
     return APIError(413, f"{delta.error}; shorten the prompt or raise --kv-cache-memory",
                     code="context_length_exceeded")
 

@@ -5,13 +5,13 @@ Invariants: a stream is a role chunk, content (or tool-call) chunks, one chunk w
 ``finish_reason``, an optional usage chunk, then ``[DONE]``; the streamed and the non-streamed
 reply of the same generation carry the same content and tool calls.
 
-Forced tool calls. A template without tools support gets agentd's own tools block, and small
-models seldom open a ``<tool_call>`` on their own even when told to. When ``tool_choice`` is
-"required" or names a function, the assistant turn is seeded with the opening of a call —
-``<tool_call>\\n{"name": "`` (plus the name and ``", "arguments": `` when named) — appended to
-the prompt after the generation prompt, and the same text is put back in front of the
-generated text before parsing. This is the usual forced-prefix (constrained-opening) technique:
-the model only has to complete a JSON object it has already started.
+Tools and formats. With tools on, the turn is grammar-constrained (``agentd.structured``):
+``required`` or a named function makes it calls only, ``auto`` lets it open with text; every
+call that appears is valid. ``response_format`` / ``structured_outputs`` constrain the text.
+A turn holds one call unless the client sends ``parallel_tool_calls: true`` (OpenAI defaults to
+several): offered another call after the first, small models repeat it until max_tokens —
+SmolLM2 called ``list_dir`` with the same arguments until its 120 tokens ran out — and an agent
+would run each repeat.
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from agentd.async_engine import AsyncEngine, RequestStream
-from agentd.chat import forced_function_name, render_chat, template_supports_tools
+from agentd.chat import render_chat
 from agentd.outputs import StreamDelta
 from agentd.sampling_params import SamplingParams
+from agentd.server.constraints import Constraint, output_format, tool_constraint
 from agentd.server.errors import APIError
 from agentd.server.protocol import (
     ChatCompletion,
@@ -51,7 +52,8 @@ from agentd.server.serving import (
     sse_error,
     usage_of,
 )
-from agentd.server.tool_calls import CallPiece, ToolCallAssembler, ToolMode, forced_call_prefix
+from agentd.server.tool_calls import Piece, ToolCallAssembler, ToolMode
+from agentd.tool_parser import CallStartEvent
 
 OnFinish = Callable[[StreamDelta, str], None]
 
@@ -66,7 +68,7 @@ class ChatPlan:
     prompt_token_ids: list[int]
     params: SamplingParams
     tool_mode: ToolMode
-    forced_prefix: str
+    constraint: Constraint | None
     include_usage: bool
     cache_salt: str | None
 
@@ -83,25 +85,22 @@ def plan_chat(req: ChatCompletionRequest, engine: AsyncEngine, model: str,
         raise APIError(400, f"the chat template rejected the messages: {exc}",
                        param="messages") from exc
     tools_on = bool(inputs.tools) and inputs.tool_choice != "none"
-    mode = ToolMode.OFF
-    prefix = ""
+    constraint = output_format(req)
     if tools_on:
-        mode = ToolMode.PARSE
-        if not template_supports_tools(tokenizer):
-            prefix = forced_call_prefix(inputs.tool_choice == "required",
-                                        forced_function_name(inputs.tool_choice))
-            mode = ToolMode.FORCED if prefix else ToolMode.PARSE
+        constraint = tool_constraint(inputs.tools or [], inputs.tool_choice,
+                                     req.parallel_tool_calls, constraint)
     prompt_token_ids = list(rendered.prompt_token_ids)
-    if prefix:
-        prompt_token_ids += tokenizer(prefix, add_special_tokens=False).input_ids
     try:
         params = to_sampling_params(req, None)
     except ValueError as exc:
         raise APIError(400, str(exc)) from exc
+    if constraint is not None:
+        params.structured_outputs = constraint.params
     validate_prompt_len(len(prompt_token_ids), params.max_tokens, engine.max_model_len)
     return ChatPlan(
         request_id=new_request_id("chatcmpl"), model=model, created=created,
-        prompt_token_ids=prompt_token_ids, params=params, tool_mode=mode, forced_prefix=prefix,
+        prompt_token_ids=prompt_token_ids, params=params,
+        tool_mode=ToolMode.PARSE if tools_on else ToolMode.OFF, constraint=constraint,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         cache_salt=req.cache_salt,
     )
@@ -111,10 +110,10 @@ async def complete_chat(plan: ChatPlan, deltas: AsyncIterator[StreamDelta],
                         on_finish: OnFinish) -> ChatCompletion:
     """Collect the whole generation into one ``ChatCompletion``."""
     got = await collect(deltas)
-    assembler = ToolCallAssembler(plan.tool_mode, plan.forced_prefix)
+    assembler = ToolCallAssembler(plan.tool_mode)
     parsed = assembler.whole(got.text)
     content, calls = parsed.content, parsed.tool_calls
-    finish_reason = "tool_calls" if calls else str(got.last.finish_reason)
+    finish_reason = _finish_reason(bool(calls), got.last)
     message = ChatCompletionMessage(content=content if content or not calls else None)
     if calls:
         message.tool_calls = [ToolCall(id=c.id, function=FunctionCall(
@@ -138,7 +137,7 @@ async def stream_chat(plan: ChatPlan, deltas: RequestStream,
         return sse(ChatCompletionChunk(id=plan.request_id, created=plan.created,
                                        model=plan.model, choices=[choice]))
 
-    assembler = ToolCallAssembler(plan.tool_mode, plan.forced_prefix)
+    assembler = ToolCallAssembler(plan.tool_mode)
     try:
         yield chunk(DeltaMessage(role="assistant", content=""))
         last: StreamDelta | None = None
@@ -152,7 +151,7 @@ async def stream_chat(plan: ChatPlan, deltas: RequestStream,
         if last.error is not None:
             yield sse_error(delta_error(last))
         else:
-            finish_reason = "tool_calls" if assembler.num_calls else str(last.finish_reason)
+            finish_reason = _finish_reason(bool(assembler.num_calls), last)
             yield chunk(DeltaMessage(), finish_reason)
             if plan.include_usage:
                 yield sse(ChatCompletionChunk(id=plan.request_id, created=plan.created,
@@ -168,14 +167,21 @@ async def stream_chat(plan: ChatPlan, deltas: RequestStream,
     yield SSE_DONE
 
 
-def _delta_messages(pieces: list[str | CallPiece]) -> list[DeltaMessage]:
+def _finish_reason(has_calls: bool, last: StreamDelta) -> str:
+    """OpenAI's: "tool_calls" when the turn ended with calls, "length" when it was cut."""
+    return "tool_calls" if has_calls and last.finish_reason == "stop" else str(last.finish_reason)
+
+
+def _delta_messages(pieces: list[Piece]) -> list[DeltaMessage]:
     out: list[DeltaMessage] = []
     for piece in pieces:
         if isinstance(piece, str):
             out.append(DeltaMessage(content=piece))
-            continue
-        call = piece.call
-        out.append(DeltaMessage(tool_calls=[DeltaToolCall(
-            index=piece.index, id=call.id, type="function",
-            function=DeltaFunctionCall(name=call.name, arguments=call.arguments_json))]))
+        elif isinstance(piece, CallStartEvent):
+            out.append(DeltaMessage(tool_calls=[DeltaToolCall(
+                index=piece.index, id=piece.id, type="function",
+                function=DeltaFunctionCall(name=piece.name, arguments=""))]))
+        else:
+            out.append(DeltaMessage(tool_calls=[DeltaToolCall(
+                index=piece.index, function=DeltaFunctionCall(arguments=piece.text))]))
     return out

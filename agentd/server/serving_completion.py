@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from agentd.async_engine import AsyncEngine, RequestStream
 from agentd.outputs import StreamDelta
 from agentd.sampling_params import SamplingParams
+from agentd.server.constraints import Constraint, output_format
 from agentd.server.errors import APIError
 from agentd.server.protocol import (
     Completion,
@@ -50,6 +51,7 @@ class CompletionPlan:
     echo_text: str
     include_usage: bool
     cache_salt: str | None
+    constraint: Constraint | None
 
 
 def plan_completion(req: CompletionRequest, engine: AsyncEngine, model: str,
@@ -74,6 +76,9 @@ def plan_completion(req: CompletionRequest, engine: AsyncEngine, model: str,
         params = to_sampling_params(req, DEFAULT_MAX_TOKENS)
     except ValueError as exc:
         raise APIError(400, str(exc)) from exc
+    constraint = output_format(req)
+    if constraint is not None:
+        params.structured_outputs = constraint.params
     try:
         validate_prompt_len(len(prompt_token_ids), params.max_tokens, engine.max_model_len)
     except RequestValidationError as exc:
@@ -85,7 +90,7 @@ def plan_completion(req: CompletionRequest, engine: AsyncEngine, model: str,
         prompt_token_ids=prompt_token_ids, params=params,
         echo_text=prompt_text if req.echo else "",
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
-        cache_salt=req.cache_salt,
+        cache_salt=req.cache_salt, constraint=constraint,
     )
 
 

@@ -122,8 +122,24 @@ CASES: dict[str, Case] = {
     "too many stop sequences": Case(CHAT, chat(stop=["a", "b", "c", "d", "e"]), param="stop"),
     "empty stop sequence": Case(CHAT, chat(stop=[""]), param="stop"),
     "logprobs": Case(CHAT, chat(logprobs=True), param="logprobs"),
-    "json_schema response_format": Case(CHAT, chat(response_format={"type": "json_schema"}),
-                                        param="response_format"),
+    "json_schema response_format without a schema": Case(
+        CHAT, chat(response_format={"type": "json_schema"}), param="response_format.json_schema"),
+    "response_format of an unknown type": Case(CHAT, chat(response_format={"type": "xml"}),
+                                               param="response_format.type"),
+    "json schema with an unknown $ref": Case(CHAT, chat(response_format={
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {
+            "type": "object", "properties": {"a": {"$ref": "#/$defs/gone"}}}}}),
+        param="response_format", says=("gone",), code="invalid_grammar"),
+    "regex that does not compile": Case(CHAT, chat(structured_outputs={"regex": "[z-a]"}),
+                                        param="structured_outputs", code="invalid_grammar"),
+    "grammar without a root": Case(COMPLETIONS, {"prompt": "x", "guided_grammar": 'a ::= "b"'},
+                                   param="guided_grammar", says=("root",)),
+    "two output formats": Case(CHAT, chat(response_format={"type": "json_object"},
+                                          guided_choice=["a"]), param="guided_choice"),
+    "tool whose schema does not compile": Case(CHAT, chat(tools=[{
+        "type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": {"type": "frob"}}}}}]),
+        param="tools", says=("function 'f'", "frob")),
     # --- model
     "unknown model": Case(CHAT, chat(model="gpt-17"), status=404, param="model",
                           code="model_not_found"),

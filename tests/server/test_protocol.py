@@ -194,11 +194,6 @@ BAD_BODIES = [
     (_with(["frequency_penalty"], -2.5), "frequency_penalty", "[-2, 2]"),
     (_with(["stop"], ["a", "b", "c", "d", "e"]), "stop", "at most 4"),
     (_with(["stop"], [""]), "stop", "non-empty"),
-    (
-        _with(["response_format"], {"type": "json_schema", "json_schema": {}}),
-        "response_format",
-        "'json_schema' is not supported",
-    ),
     (_with(["tools", 0, "type"], "retrieval"), "tools[0].type", "'function'"),
     (_with(["tools", 0, "function", "name"], "get weather"), "tools[0].function.name", "1-64"),
     (_with(["tools", 0, "function", "name"], ""), "tools[0].function.name", "1-64"),

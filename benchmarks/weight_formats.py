@@ -23,7 +23,8 @@ FORMATS = ("float32", "bfloat16", "float16", "int8", "int4", "int4:dequantize", 
 BATCHES = (1, 8, 32)
 
 
-def one_format(spec: str, prefix_tokens: int, max_tokens: int) -> dict[str, object]:
+def one_format(spec: str, prefix_tokens: int, max_tokens: int,
+               num_threads: int | None) -> dict[str, object]:
     """Runs in the child: load, cold and warm TTFT, then decode at each batch size."""
     import psutil
 
@@ -33,7 +34,7 @@ def one_format(spec: str, prefix_tokens: int, max_tokens: int) -> dict[str, obje
     weights, _, prefill = spec.partition(":")
     start = time.perf_counter()
     llm = LLM(weights=weights, dtype="float32", kv_cache_memory="384MiB",
-              prefill_weights=prefill or "keep")
+              prefill_weights=prefill or "keep", num_threads=num_threads)
     load_s = time.perf_counter() - start
     prefix, batch = prompts(llm.tokenizer, prefix_tokens, max(BATCHES))
     cold = cold_ttft_s(llm, prefix, repeats=2)
@@ -57,14 +58,14 @@ def _peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def header() -> list[str]:
+def header(num_threads: int | None = None) -> list[str]:
     import torch
 
     from agentd.model.isa import detect_isa
 
     load = os.getloadavg()
     return [f"torch {torch.__version__}, capability {torch.backends.cpu.get_cpu_capability()}, "
-            f"{torch.get_num_threads()} threads; ISA {detect_isa().describe()}",
+            f"{num_threads or torch.get_num_threads()} threads; ISA {detect_isa().describe()}",
             f"ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', '-')} "
             f"ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', '-')}; "
             f"load avg {load[0]:.1f} on {os.cpu_count()} CPUs (the machine is shared)"]
@@ -89,18 +90,23 @@ def main() -> None:
     parser.add_argument("--prefix-tokens", type=int, default=2000)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--num-threads", type=int, default=None,
+                        help="torch threads per run (on a busy machine, 1 avoids OpenMP stalls)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(one_format(args.child, args.prefix_tokens, args.max_tokens)))
+        print(json.dumps(one_format(args.child, args.prefix_tokens, args.max_tokens,
+                                    args.num_threads)))
         return
-    lines = header()
+    lines = header(args.num_threads)
     print("\n".join(lines), flush=True)
     rows = []
     for weights in args.formats.split(","):
         proc = subprocess.run([sys.executable, "-m", "benchmarks.weight_formats", "--child",
                                weights, "--prefix-tokens", str(args.prefix_tokens),
-                               "--max-tokens", str(args.max_tokens)],
+                               "--max-tokens", str(args.max_tokens),
+                               *(["--num-threads", str(args.num_threads)]
+                                 if args.num_threads else [])],
                               capture_output=True, text=True, check=False)
         if proc.returncode:
             print(f"{weights}: failed\n{proc.stderr[-2000:]}", flush=True)
@@ -114,7 +120,7 @@ def main() -> None:
     print("\n".join(lines))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"header": header(), "rows": rows}, f, indent=2)
+            json.dump({"header": header(args.num_threads), "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

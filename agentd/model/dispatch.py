@@ -33,7 +33,7 @@ WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8", "int4")
 # Formats whose greedy continuations matched the exact mode on >= 60% of the 24 agent prompts and
 # whose logits stayed within the bf16-derived bound (README, "Weight formats").
 ACCURATE_FORMATS = ("int4", "bfloat16", "float16", "int8")
-CALIBRATION_ROWS = (1, 8, 32, 128)
+CALIBRATION_ROWS = (1, 4, 8, 16, 32, 64, 128)
 CALIBRATION_LAYERS = 4  # layers of a kind timed together: enough to leave L2, cheap at load
 LINEAR_KINDS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "lm_head")
 
@@ -107,7 +107,7 @@ def _pick_dense_dtype(layers: list[LowPrecisionLinear], isa: CpuIsa, max_rows: i
 def calibrate(model: nn.Module, isa: CpuIsa, max_rows: int) -> dict[str, KernelChoice]:
     """Set each layer kind's crossover from kernel to dequantize-and-GEMM, timed on a few of the
     model's layers of that kind at a time (their weights leave the L2 cache, as in a real step):
-    the kernel keeps every row count below the first measured one where the dense path wins."""
+    the kernel keeps every row count up to the last measured one before the dense path wins."""
     choices: dict[str, KernelChoice] = {}
     for kind in LINEAR_KINDS:
         every = _layers_of(model, kind)
@@ -117,13 +117,15 @@ def calibrate(model: nn.Module, isa: CpuIsa, max_rows: int) -> dict[str, KernelC
         if layers[0].dense_twin is None:
             _pick_dense_dtype(layers, isa, max_rows)
         timings: dict[str, float] = {}
-        limit = None
+        limit: int | None = 0
         for rows in (r for r in CALIBRATION_ROWS if r <= max_rows):
             kernel_ms, dense_ms = _pass_ms(layers, "kernel", rows), _pass_ms(layers, "dense", rows)
             timings[f"kernel@{rows}"], timings[f"dense@{rows}"] = kernel_ms, dense_ms
             if dense_ms < kernel_ms:
-                limit = rows // 2  # between the last win and this loss; 0: never the kernel
                 break
+            limit = rows  # the largest measured row count where the kernel won
+        else:
+            limit = None  # it never lost: every row count
         for layer in every:
             layer.max_kernel_rows = limit
             layer.dense_dtype = layers[0].dense_dtype

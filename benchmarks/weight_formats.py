@@ -8,6 +8,8 @@ AVX2 path on a newer CPU with ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
     python -m benchmarks.weight_formats [--formats float32,int4,int4:dequantize,...] [--json F]
 
 A format may carry ``:dequantize`` (``--prefill-weights dequantize``: no dense fp32 twin).
+``--ab`` loads every format in one process and alternates their decode runs, round after round
+(medians): on a shared machine whose speed drifts between runs, only that gives fair ratios.
 """
 
 from __future__ import annotations
@@ -52,6 +54,28 @@ def one_format(spec: str, prefix_tokens: int, max_tokens: int,
             "compute": llm.engine.loaded.compute_report()}
 
 
+def alternate(specs: list[str], prefix_tokens: int, max_tokens: int, rounds: int,
+              num_threads: int | None) -> dict[str, dict[int, float]]:
+    """Decode tokens/s per format and batch size, formats alternating within each round."""
+    from agentd import LLM, SamplingParams
+    from benchmarks.cpu_levers import decode_tok_s, prompts
+
+    llms = {}
+    for spec in specs:
+        weights, _, prefill = spec.partition(":")
+        llms[spec] = LLM(weights=weights, dtype="float32", kv_cache_memory="256MiB",
+                         prefill_weights=prefill or "keep", num_threads=num_threads)
+    _, batch = prompts(next(iter(llms.values())).tokenizer, prefix_tokens, max(BATCHES))
+    for llm in llms.values():  # every prefix cached before any timing
+        llm.generate(batch, SamplingParams(temperature=0, max_tokens=1))
+    runs: dict[str, dict[int, list[float]]] = {s: {n: [] for n in BATCHES} for s in specs}
+    for _ in range(rounds):
+        for n in BATCHES:
+            for spec, llm in llms.items():
+                runs[spec][n].append(decode_tok_s(llm, batch[:n], max_tokens))
+    return {s: {n: sorted(v)[len(v) // 2] for n, v in by_n.items()} for s, by_n in runs.items()}
+
+
 def _peak_rss_mib() -> float:
     import resource
 
@@ -92,8 +116,21 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--num-threads", type=int, default=None,
                         help="torch threads per run (on a busy machine, 1 avoids OpenMP stalls)")
+    parser.add_argument("--ab", action="store_true",
+                        help="decode only, all formats in one process, alternating")
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.ab:
+        print("\n".join(header(args.num_threads)), flush=True)
+        medians = alternate(args.formats.split(","), args.prefix_tokens, args.max_tokens,
+                            args.rounds, args.num_threads)
+        print(f"| weights | decode tok/s b=1 | b=8 | b=32 | (medians of {args.rounds} "
+              "alternating rounds) |\n|---|---|---|---|---|")
+        for spec, by_n in medians.items():
+            print(f"| {spec} | " + " | ".join(f"{by_n[n]:.1f}" for n in BATCHES) + " | |")
+        print("\n".join(header(args.num_threads)[-1:]))
+        return
     if args.child:
         print(json.dumps(one_format(args.child, args.prefix_tokens, args.max_tokens,
                                     args.num_threads)))

@@ -127,7 +127,7 @@ def test_detach_status_stop_round_trip(runner: CliRunner, detached: dict) -> Non
     # The ISA and the kernels chosen: in the start log, in status, in /v1/stats.
     assert "weights int4" in status.output and "int4pack_mm(bf16)" in status.output
     log = (state / "agentd.log").read_text()
-    assert "kernels on " in log and "lm_head int4pack_mm(bf16)" in log
+    assert "kernels on " in log and "qkv_proj int4pack_mm(bf16)" in log
     report = json.loads(runner.invoke(main, ["status", "--json"]).output)
     assert report["pid"] == pid and report["stats"]["num_blocks_used"] == 0
     compute = report["stats"]["compute"]

@@ -162,6 +162,9 @@ def test_each_weight_format_serves_a_tiny_model(weights: str, tiny_model_factory
                                       "lm_head"}
     layers = [m for m in loaded.model.modules() if isinstance(m, LowPrecisionLinear)]
     assert len(layers) == 2 * 4 + 1 and all(m.dense_twin is not None for m in layers)
+    if weights == "int4":  # a head not held in 4 bits by the checkpoint is kept in fp16
+        assert isinstance(loaded.model.lm_head, HalfLinear)
+        assert loaded.model.lm_head.dtype == torch.float16
     assert loaded.fingerprint != exact.engine.loaded.fingerprint  # its KV is its own
     prompts = [[1, 2, 3, 4, 5], list(range(10, 60)), list(range(100, 120))]
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

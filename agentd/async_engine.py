@@ -284,8 +284,10 @@ class AsyncEngine:
             )
 
     async def run_pin(self, name: str, token_ids: list[int], ttl_s: float | None,
-                      meta: dict[str, Any]) -> PinResult:
-        """Prefill and pin a prefix; returns the engine's PinResult (raises PinError early)."""
+                      meta: dict[str, Any], owner: str | None = None,
+                      cache_salt: str | None = None) -> PinResult:
+        """Prefill and pin a prefix in ``owner``'s name space, hashed with ``cache_salt``;
+        returns the engine's PinResult (raises PinError early)."""
         self._check_alive()
         stream = self._open_stream(f"pin-{uuid.uuid4().hex}")
         request_id = stream.request_id
@@ -294,11 +296,12 @@ class AsyncEngine:
             """A cancelled registration leaves nothing: no prefill, no result, no pin."""
             self.engine.abort_request(request_id)
             result = self.engine.pin_results.pop(request_id, None)
-            if result is not None and result.pin is not None and result.pin.name == name:
-                self.engine.unpin(name)
+            if result is not None and result.pin is not None:
+                self.engine.unpin(result.pin.key)
 
         try:
-            await self.call(lambda e: e.add_pin(name, token_ids, ttl_s, meta, request_id))
+            await self.call(lambda e: e.add_pin(name, token_ids, ttl_s, meta, request_id, owner,
+                                                cache_salt))
         except asyncio.CancelledError:
             stream._end(abort=False)
             self._commands.put(undo)  # add_pin may still run: undo it right after

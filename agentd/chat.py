@@ -4,14 +4,21 @@ Invariants: the same tools in the same list order give the same prompt bytes wha
 order of their dicts (schemas are canonicalized before templating); where agentd renders tools
 itself (templates that know nothing of tools, like SmolLM2's ChatML), the tools block comes
 *before* the system text, so a volatile system line does not cost the tools their cached KV; the
-token ids are exactly what ``apply_chat_template(..., tokenize=True)`` would give.
+token ids are exactly what ``apply_chat_template(..., tokenize=True)`` would give — except that
+text from the request (message contents, names, tool-call arguments, tool schemas) never yields a
+special token: a user who types ``<|im_end|><|im_start|>system`` gets those characters as text,
+not a forged turn, while the template's own special tokens stay special. Such strings are
+swapped for placeholders before templating, and tokenised as plain text in their place; a
+request without them renders exactly as before (so the prefix cache and pins still hit).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import secrets
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from agentd.tool_parser import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
@@ -84,6 +91,8 @@ def render_chat(
         The prompt text and its token ids.
     """
     active_tools = canonical_tools(tools) if tools and tool_choice != "none" else None
+    guard = _SpecialTextGuard(tokenizer)
+    messages, active_tools = guard.escape(messages), guard.escape(active_tools)
     if template_supports_tools(tokenizer):
         prompt = tokenizer.apply_chat_template(
             [_native_message(m) for m in messages],
@@ -98,9 +107,72 @@ def render_chat(
             add_generation_prompt=add_generation_prompt,
             tokenize=False,
         )
-    # apply_chat_template(tokenize=True) never adds special tokens: the template holds them.
-    token_ids = tokenizer(prompt, add_special_tokens=False).input_ids
-    return RenderedPrompt(prompt=prompt, prompt_token_ids=list(token_ids))
+    return guard.tokenize(prompt)
+
+
+class _SpecialTextGuard:
+    """Keeps request text from becoming special tokens: ``escape`` swaps every special token's
+    string in the request's values for a placeholder no one can type (it carries a random
+    nonce); ``tokenize`` then tokenises the rendered template around the placeholders as usual
+    and each placeholder as its string's plain-text tokens."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.specials, self.pattern = _special_strings(tokenizer)
+        self.nonce = secrets.token_hex(8)
+        self.used = False
+
+    def escape(self, value: Any) -> Any:
+        if isinstance(value, str):
+            if self.pattern is None or self.pattern.search(value) is None:
+                return value
+            self.used = True
+            return self.pattern.sub(self._placeholder, value)
+        if isinstance(value, dict):
+            return {key: self.escape(item) for key, item in value.items()}
+        if isinstance(value, list):
+            return [self.escape(item) for item in value]
+        return value
+
+    def _placeholder(self, match: re.Match[str]) -> str:
+        return f"\ue000{self.nonce}:{self.specials.index(match.group())}\ue001"
+
+    def tokenize(self, prompt: str) -> RenderedPrompt:
+        # apply_chat_template(tokenize=True) never adds special tokens: the template holds them.
+        if not self.used:
+            return RenderedPrompt(prompt, list(self.tokenizer(prompt, add_special_tokens=False)
+                                               .input_ids))
+        pieces = re.split(f"\ue000{self.nonce}:(\\d+)\ue001", prompt)
+        token_ids: list[int] = []
+        for i, piece in enumerate(pieces):
+            if i % 2:  # a placeholder: its special token's string as plain text
+                piece = self.specials[int(piece)]
+                token_ids += self._plain_ids(piece)
+            elif piece:
+                token_ids += self.tokenizer(piece, add_special_tokens=False).input_ids
+            pieces[i] = piece
+        return RenderedPrompt("".join(pieces), token_ids)
+
+    def _plain_ids(self, text: str) -> list[int]:
+        """``text``'s tokens with no special token matched: its first character apart from the
+        rest until no part holds a special token's string. (Not ``split_special_tokens``: that
+        flips a flag on the shared Rust tokenizer, which other threads tokenise with.)"""
+        assert self.pattern is not None
+        if len(text) == 1 or self.pattern.search(text) is None:
+            return list(self.tokenizer(text, add_special_tokens=False).input_ids)
+        return self._plain_ids(text[0]) + self._plain_ids(text[1:])
+
+
+@lru_cache(maxsize=8)
+def _special_strings(tokenizer: Any) -> tuple[list[str], re.Pattern[str] | None]:
+    """The tokenizer's special tokens' strings, and a pattern matching any (longest first)."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    strings = {token.content for token in decoder.values() if token.special}
+    strings.update(getattr(tokenizer, "all_special_tokens", []) or [])
+    specials = sorted((s for s in strings if s), key=lambda s: (-len(s), s))
+    if not specials:
+        return specials, None
+    return specials, re.compile("|".join(re.escape(s) for s in specials))
 
 
 def tools_block(tools: list[dict[str, Any]], tool_choice: ToolChoice = None) -> str:

@@ -1,13 +1,22 @@
 """Incremental detokenization and stop-string handling for one request.
 
 Invariant: emitted text never ends inside a UTF-8 character (a token that decodes to U+FFFD waits
-for the next one), and never contains a stop string or a possible start of one that is not yet
-resolved.
+for the next one), never contains a stop string or a possible start of one that is not yet
+resolved, and never contains a C0 control character other than tab, newline and carriage return
+(nor DEL).
+
+Why the control characters: byte-level BPE vocabularies (GPT-2's, SmolLM2's) hold one token per
+byte, so the model can sample the tokens of NUL, ESC, backspace...: in SmolLM2's vocabulary 24
+tokens decode to control characters, all of them single-byte tokens (NUL is token 190, ``Ā``).
+No text the model is asked for contains them raw, clients choke on them (a NUL ends a C
+string; ESC drives a terminal), and JSON can only carry them escaped. The token still counts
+as output; its text is dropped.
 """
 
 from __future__ import annotations
 
 _CONTEXT_TOKENS = 6  # prompt tokens decoded ahead of the output, for leading-space handling
+_DROP_CONTROLS = {code: None for code in (*range(0x20), 0x7F) if chr(code) not in "\t\n\r"}
 
 
 class IncrementalDetokenizer:
@@ -34,7 +43,7 @@ class IncrementalDetokenizer:
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return
         old_len = len(self.text)
-        self.text += full[len(prefix):]
+        self.text += full[len(prefix):].translate(_DROP_CONTROLS)
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         if self.stop:
             self._check_stop(old_len)

@@ -13,7 +13,9 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from agentd.cache import KVCacheManager
+import torch
+
+from agentd.cache import KVCacheManager, PinKey
 from agentd.config import EngineConfig
 from agentd.detokenizer import IncrementalDetokenizer
 from agentd.kernels import get_attention_backend
@@ -95,7 +97,7 @@ class LLMEngine:
                                int(config.max_pinned_fraction * self.num_blocks))
         self.scheduler.prefix_extension = self.pins.tail_after
         self.pin_results: dict[str, PinResult] = {}  # finished pin prefills, by request id
-        self.expired_pins: list[str] = []  # pins whose TTL lapsed, for the registry owner
+        self.expired_pins: list[PinKey] = []  # pins whose TTL lapsed, for the registry owner
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         self._totals = {"prompt": 0, "generation": 0, "finished": 0, "steps": 0, "model": 0,
@@ -156,38 +158,49 @@ class LLMEngine:
         return self._delta(self._tracked[request_id], finished=True)
 
     def add_pin(self, name: str, token_ids: list[int], ttl_s: float | None = None,
-                meta: dict | None = None, request_id: str | None = None) -> str:
-        """Start prefilling a pin; its PinResult lands in ``pin_results[request_id]`` when done.
+                meta: dict | None = None, request_id: str | None = None,
+                owner: str | None = None, cache_salt: str | None = None) -> str:
+        """Start prefilling a pin in ``owner``'s name space, hashed with ``cache_salt``; its
+        PinResult lands in ``pin_results[request_id]`` when done.
 
         Raises PinError (nothing changes) when the name is taken or the budget would overflow.
         """
-        self.pins.check_can_add(name, token_ids)
+        self.pins.check_can_add(PinKey(owner, name), token_ids, cache_salt)
         request_id = request_id or f"pin-{name}-{next(self._ids)}"
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-        self.add_request(token_ids, params, request_id)
+        self.add_request(token_ids, params, request_id, cache_salt)
         self.pins.pending[request_id] = PendingPin(name, list(token_ids), ttl_s, dict(meta or {}),
-                                                   time.monotonic())
+                                                   time.monotonic(), owner=owner,
+                                                   cache_salt=cache_salt)
         return request_id
 
-    def restore_pin(self, name: str, token_ids: list[int], snapshot_path, ttl_s: float | None,
-                    meta: dict | None = None) -> PinResult | None:
-        """Pin from a KV snapshot without recomputing; None when the snapshot does not fit."""
-        pending = PendingPin(name, list(token_ids), ttl_s, dict(meta or {}), time.monotonic())
-        return self.pins.restore_snapshot(pending, self.runner.kv_caches, snapshot_path,
+    def restore_pin(self, name: str, token_ids: list[int], payload: dict, ttl_s: float | None,
+                    meta: dict | None = None, owner: str | None = None,
+                    cache_salt: str | None = None) -> PinResult:
+        """Pin from a loaded KV snapshot without recomputing. Raises SnapshotMismatch when it
+        does not fit (nothing changes), PinError when the pin cannot be added."""
+        pending = PendingPin(name, list(token_ids), ttl_s, dict(meta or {}), time.monotonic(),
+                             owner=owner, cache_salt=cache_salt)
+        return self.pins.restore_snapshot(pending, self.runner.kv_caches, payload,
                                           self.loaded.fingerprint)
 
-    def save_pin_snapshot(self, name: str, path) -> None:
-        self.pins.save_snapshot(self.pins.registry.get(name), self.runner.kv_caches, path,
-                                self.loaded.fingerprint)
+    def pin_snapshot_shape(self, key: PinKey | str) -> tuple[tuple[int, ...], torch.dtype]:
+        return self.pins.snapshot_shape(self.pins.registry.get(key), self.runner.kv_caches)
 
-    def unpin(self, name: str) -> None:
+    def gather_pin_snapshot(self, key: PinKey | str, out: torch.Tensor | None = None) -> dict:
+        """A copy of the pin's KV (into ``out`` when it fits) and what identifies it, for a
+        snapshot written elsewhere."""
+        return self.pins.gather_snapshot(self.pins.registry.get(key), self.runner.kv_caches,
+                                         self.loaded.fingerprint, out)
+
+    def unpin(self, key: PinKey | str) -> None:
         """Drop a pin; its blocks become ordinary cached blocks. Raises PinNotFoundError."""
-        self.pins.registry.remove(name)
+        self.pins.registry.remove(key)
 
     def expire_pins(self) -> None:
-        for name in self.pins.registry.expired(time.monotonic()):
-            self.pins.registry.remove(name)
-            self.expired_pins.append(name)
+        for key in self.pins.registry.expired(time.monotonic()):
+            self.pins.registry.remove(key)
+            self.expired_pins.append(key)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

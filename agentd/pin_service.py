@@ -1,50 +1,43 @@
-"""Pins as the daemon offers them: template-aware token selection, the persisted registry
-(``pins.json``, written atomically) and KV snapshots keyed by the model fingerprint.
+"""Pins as the daemon offers them: template-aware token selection, tenant name spaces, the
+persisted registry and KV snapshots (their files: :mod:`agentd.pin_store`,
+:mod:`agentd.pin_snapshots`).
 
-Invariants: ``pins.json`` on disk is always a complete document (old or new, never partial);
-a pin is reported registered only once its blocks are pinned in the engine; a snapshot is only
-reused for the exact model fingerprint, block size and token ids it was taken from.
+Invariants: a pin is reported registered only once its blocks are pinned in the engine; a
+snapshot is only reused when its checksum, model fingerprint, block size, cache salt and token ids
+all match, otherwise the pin is recomputed and the report says why; a pin listed in ``pins.json``
+stays listed there until it is unpinned or decays, even when a start could not restore it; a
+snapshot's KV is gathered on the engine thread and written from a worker thread, so no step
+waits on the disk.
 """
 
 from __future__ import annotations
 
-import json
+import asyncio
 import logging
-import os
+import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from agentd import pin_snapshots, pin_store
 from agentd.async_engine import AsyncEngine
-from agentd.cache import PinError
+from agentd.cache import PinError, PinKey, PinNotFoundError, pin_key
 from agentd.chat import common_prefix_len, render_chat
+from agentd.pin_snapshots import SnapshotError
+from agentd.pin_store import REGISTRY_FILE, PinSpec
+from agentd.pins import SnapshotMismatch, tenant_salt
 
 logger = logging.getLogger("agentd")
 _PROBE_MESSAGES = ("Hello", "1", "{", " x", "Wie geht's?")  # varied first characters
-REGISTRY_FILE = "pins.json"
+__all__ = ["REGISTRY_FILE", "PinService", "PinSpec", "PinTooLongError", "pin_token_ids"]
 
 
 class PinTooLongError(PinError):
     """The prefix does not fit the context (a 400, like an over-long chat prompt)."""
 
     status = 400
-
-
-@dataclass
-class PinSpec:
-    """What the user registered: enough to re-render the pin after a restart."""
-
-    name: str
-    system: str
-    tools: list[dict] | None = None
-    ttl_s: float | None = None
-    created: float = field(default_factory=time.time)
-    prefill_s: float | None = None  # how long its first prefill took (restore reports compare)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "system": self.system, "tools": self.tools,
-                "ttl_s": self.ttl_s, "created": self.created, "prefill_s": self.prefill_s}
 
 
 def pin_token_ids(tokenizer, system: str, tools: list[dict] | None) -> list[int]:
@@ -63,61 +56,76 @@ class PinService:
     def __init__(self, engine: AsyncEngine, state_dir: Path | None) -> None:
         self.engine = engine
         self.state_dir = state_dir
-        self.specs: dict[str, PinSpec] = {}
+        self.specs: dict[PinKey, PinSpec] = {}
+        # Listed in pins.json but not restored at start (no room, too long...): kept listed.
+        self.unrestored: dict[PinKey, PinSpec] = {}
         self.last_persist_error: str | None = None
         self.restore_report: list[dict[str, Any]] = []
+        self._registry_ok = False  # pins.json on disk is a good registry, worth a backup
+        self._files = threading.Lock()  # snapshot writes vs deletes (worker threads)
 
     @property
     def block_size(self) -> int:
         return self.engine.engine.config.block_size
 
-    def _snapshot_path(self, name: str) -> Path | None:
+    def _snapshot_path(self, key: PinKey) -> Path | None:
         if self.state_dir is None:
             return None
-        fingerprint = self.engine.engine.loaded.fingerprint
-        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
-        return self.state_dir / "kv" / f"{fingerprint}-b{self.block_size}" / f"{safe}.pt"
+        return pin_snapshots.snapshot_path(self.state_dir, self.engine.engine.loaded.fingerprint,
+                                       self.block_size, key.owner, key.name)
 
     # --- operations ------------------------------------------------------------------------
     async def add(self, spec: PinSpec, persist: bool = True) -> dict[str, Any]:
-        """Render, prefill (or restore) and pin; returns the pin's description.
+        """Render, prefill and pin in ``spec.owner``'s name space (hashed with its cache
+        salt); returns the pin's description.
 
         Raises PinError (with an HTTP status) when the name is taken, the budget is short or the
         prefix does not fit the context.
         """
+        token_ids = self._token_ids(spec)
+        meta = {"system_chars": len(spec.system), "num_tools": len(spec.tools or [])}
+        result = await self.engine.run_pin(spec.name, token_ids, spec.ttl_s, meta,
+                                           owner=spec.owner, cache_salt=tenant_salt(spec.owner))
+        if result.pin is None:
+            raise result.error or PinError("the pin failed")
+        if spec.prefill_s is None:
+            spec.prefill_s = result.elapsed_s
+        key = PinKey(spec.owner, spec.name)
+        self.specs[key] = spec
+        self.unrestored.pop(key, None)
+        if persist:
+            self.persist()
+            await self._snapshot(spec)
+        return {**self.describe(result.pin), "prefill_s": result.elapsed_s, "restored": False}
+
+    def _token_ids(self, spec: PinSpec) -> list[int]:
+        """The pin's tokens; PinTooLongError when they do not fit the context."""
         token_ids = pin_token_ids(self.engine.tokenizer, spec.system, spec.tools)
         if len(token_ids) >= self.engine.max_model_len:
             raise PinTooLongError(
                 f"pin {spec.name!r} is {len(token_ids)} tokens but the context (max_model_len) "
                 f"is {self.engine.max_model_len}; shorten the prompt or raise --kv-cache-memory")
-        meta = {"system_chars": len(spec.system), "num_tools": len(spec.tools or [])}
-        result = await self.engine.run_pin(spec.name, token_ids, spec.ttl_s, meta)
-        if result.pin is None:
-            raise result.error or PinError("the pin failed")
-        if spec.prefill_s is None:
-            spec.prefill_s = result.elapsed_s
-        self.specs[spec.name] = spec
-        if persist:
-            self.persist()
-            await self._snapshot(spec.name)
-        return {**self.describe(result.pin), "prefill_s": result.elapsed_s, "restored": False}
+        return token_ids
 
-    async def remove(self, name: str) -> None:
-        await self.engine.call(lambda e: e.unpin(name))
-        self.specs.pop(name, None)
+    async def remove(self, key: PinKey | str) -> None:
+        key = pin_key(key)
+        await self.engine.call(lambda e: e.unpin(key))
+        self.specs.pop(key, None)
         self.persist()
-        path = self._snapshot_path(name)
-        if path is not None and path.exists():
-            path.unlink(missing_ok=True)
+        path = self._snapshot_path(key)
+        if path is not None:
+            await asyncio.to_thread(self._remove_snapshot, path)
 
-    async def list(self) -> list[dict[str, Any]]:
+    async def list(self, owner: str | None = None, everyone: bool = False
+                   ) -> list[dict[str, Any]]:
+        """``owner``'s pins, or with ``everyone`` every tenant's."""
         await self.sync_expired()
         pins = await self.engine.call(lambda e: list(e.pins.registry))
-        return [self.describe(p) for p in pins]
+        return [self.describe(p) for p in pins if everyone or p.owner == owner]
 
-    async def get(self, name: str) -> dict[str, Any]:
+    async def get(self, key: PinKey | str) -> dict[str, Any]:
         await self.sync_expired()
-        pin = await self.engine.call(lambda e: e.pins.registry.get(name))
+        pin = await self.engine.call(lambda e: e.pins.registry.get(key))
         return self.describe(pin)
 
     async def sync_expired(self) -> None:
@@ -125,14 +133,15 @@ class PinService:
         expired = await self.engine.call(lambda e: [e.expired_pins.pop()
                                                     for _ in range(len(e.expired_pins))])
         if expired:
-            for name in expired:
-                self.specs.pop(name, None)
+            for key in expired:
+                self.specs.pop(key, None)
             self.persist()
 
     def describe(self, pin) -> dict[str, Any]:
-        spec = self.specs.get(pin.name)
+        spec = self.specs.get(pin.key)
         return {
             "name": pin.name,
+            "owner": pin.owner,
             "num_tokens": pin.num_tokens,
             "num_blocks": pin.num_blocks_held,
             "tail_tokens": len(pin.tail_token_ids),
@@ -148,108 +157,144 @@ class PinService:
 
     # --- persistence -----------------------------------------------------------------------
     def persist(self) -> None:
-        """Write pins.json atomically; a failure is logged and reported, pins keep serving."""
+        """Write pins.json atomically (the one it replaces becomes pins.json.bak); a failure is
+        logged and reported, pins keep serving."""
         if self.state_dir is None:
             return
-        doc = {"version": 1, "pins": [s.to_json() for s in self.specs.values()]}
-        path = self.state_dir / REGISTRY_FILE
-        tmp = path.with_name(f".{REGISTRY_FILE}.{os.getpid()}.tmp")
         try:
-            self.state_dir.mkdir(parents=True, exist_ok=True)
-            with open(tmp, "w", encoding="utf-8") as f:
-                json.dump(doc, f, indent=1)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
+            pin_store.save_registry(self.state_dir,
+                                    [*self.specs.values(), *self.unrestored.values()],
+                                    keep_backup=self._registry_ok)
+            self._registry_ok = True
             self.last_persist_error = None
         except OSError as exc:
+            path = self.state_dir / REGISTRY_FILE
             self.last_persist_error = f"could not write {path}: {exc}"
             logger.error("pins are serving from memory only: %s", self.last_persist_error)
-            try:
-                tmp.unlink(missing_ok=True)
-            except OSError:
-                pass
 
-    async def _snapshot(self, name: str) -> None:
-        path = self._snapshot_path(name)
+    async def _snapshot(self, spec: PinSpec) -> None:
+        """Gather the pin's KV on the engine thread (a copy, between steps) into a buffer made
+        here, and write it from a worker thread."""
+        key = PinKey(spec.owner, spec.name)
+        path = self._snapshot_path(key)
         if path is None:
             return
         try:
-            await self.engine.call(lambda e: e.save_pin_snapshot(name, path))
+            shape, dtype = await self.engine.call(lambda e: e.pin_snapshot_shape(key))
+            buffer = await asyncio.to_thread(torch.zeros, shape, dtype=dtype)  # touch its pages
+            payload = await self.engine.call(lambda e: e.gather_pin_snapshot(key, buffer))
+            await asyncio.to_thread(self._write_snapshot, spec, payload, path)
+        except PinNotFoundError:
+            return  # unpinned (or decayed) before its KV was gathered: nothing to keep
         except OSError as exc:
             self.last_persist_error = f"could not write the KV snapshot {path}: {exc}"
             logger.error("%s", self.last_persist_error)
 
+    def _write_snapshot(self, spec: PinSpec, payload: dict[str, Any], path: Path) -> None:
+        assert self.state_dir is not None
+        with self._files:
+            if self.specs.get(PinKey(spec.owner, spec.name)) is not spec:
+                return  # unpinned (or replaced) while its KV was gathered
+            pin_snapshots.write_snapshot(payload, path, self.state_dir)
+
+    def _remove_snapshot(self, path: Path) -> None:
+        with self._files:
+            pin_snapshots.remove_snapshot(path)
+
     def load_specs(self) -> list[PinSpec]:
-        if self.state_dir is None or not (self.state_dir / REGISTRY_FILE).exists():
+        if self.state_dir is None:
             return []
-        path = self.state_dir / REGISTRY_FILE
-        try:
-            doc = json.loads(path.read_text(encoding="utf-8"))
-            return [PinSpec(**entry) for entry in doc.get("pins", [])]
-        except (OSError, ValueError, TypeError) as exc:
-            logger.error("ignoring unreadable pin registry %s: %s", path, exc)
-            return []
+        return pin_store.load_registry(self.state_dir).specs
 
     def remove_stale_temp_files(self) -> list[Path]:
-        """Delete ``.NAME.PID.tmp`` files (pins.json and KV snapshots being written) whose writer
-        is gone: a crash mid-write leaves them behind, and nothing else ever removes them."""
-        removed: list[Path] = []
-        if self.state_dir is None:  # nothing is persisted, so nothing was left half-written
-            return removed
-        for tmp in [*self.state_dir.glob(".*.tmp"), *self.state_dir.glob("kv/*/.*.tmp")]:
-            pid = tmp.name.rsplit(".", 2)[-2]
-            if not pid.isdigit() or _alive(int(pid)):
-                continue
-            try:
-                tmp.unlink()
-                removed.append(tmp)
-            except OSError as exc:
-                logger.warning("could not remove stale %s: %s", tmp, exc)
-        if removed:
-            logger.info("removed %d stale temporary file(s) left by a crash", len(removed))
-        return removed
+        """See :func:`agentd.pin_store.remove_stale_temp_files` (nothing without a state dir)."""
+        if self.state_dir is None:
+            return []
+        return pin_store.remove_stale_temp_files(self.state_dir)
 
+    # --- restart ---------------------------------------------------------------------------
     async def restore_all(self) -> list[dict[str, Any]]:
-        """Re-pin every registered prefix: from its KV snapshot when valid, else by prefill."""
+        """Re-pin every registered prefix: from its KV snapshot when valid, else by prefill.
+        Then drop snapshots no entry names (and those of other models)."""
+        if self.state_dir is None:
+            return []
+        try:
+            pin_store.tighten(self.state_dir)
+        except OSError as exc:  # not ours to change (another owner, read-only): say so, go on
+            logger.warning("could not make %s private: %s", self.state_dir, exc)
         self.remove_stale_temp_files()
-        report = []
-        for spec in self.load_specs():
-            start = time.monotonic()
+        loaded = await asyncio.to_thread(pin_store.load_registry, self.state_dir)
+        report: list[dict[str, Any]] = []
+        for problem in loaded.problems:
+            logger.error("pin registry: %s (the file is kept as %s)", problem,
+                         pin_store.REJECTED_FILE)
+            report.append({"name": REGISTRY_FILE, "error": problem})
+        self._registry_ok = not loaded.problems and loaded.source == REGISTRY_FILE
+        if self._registry_ok:
             try:
-                entry = await self._restore_one(spec)
-            except Exception as exc:  # one broken pin must not keep the daemon from starting
-                logger.error("could not restore pin %r: %s", spec.name, exc)
-                entry = {"name": spec.name, "error": str(exc)}
-            entry["elapsed_s"] = time.monotonic() - start
-            entry["prefill_s"] = spec.prefill_s  # the first prefill, to compare with
-            report.append(entry)
-            logger.debug("restored pin %s", entry)
+                pin_store.refresh_backup(self.state_dir)
+            except OSError as exc:
+                logger.warning("could not back up %s: %s", REGISTRY_FILE, exc)
+        for spec in loaded.specs:
+            report.append(await self._restore_logged(spec))
+        if loaded.problems:
+            self.persist()  # a good registry again (the bad one is in pins.json.rejected)
+        self._remove_orphans()
         self.restore_report = report
         return report
 
+    async def _restore_logged(self, spec: PinSpec) -> dict[str, Any]:
+        start = time.monotonic()
+        try:
+            entry = await self._restore_one(spec)
+        except Exception as exc:  # one broken pin must not keep the daemon from starting
+            logger.error("could not restore pin %r: %s", spec.name, exc)
+            entry = {"name": spec.name, "error": str(exc)}
+            self.unrestored[PinKey(spec.owner, spec.name)] = spec
+        entry["elapsed_s"] = time.monotonic() - start
+        entry["prefill_s"] = spec.prefill_s  # the first prefill, to compare with
+        if spec.owner is not None:
+            entry["owner"] = spec.owner
+        logger.debug("restored pin %s", entry)
+        return entry
+
     async def _restore_one(self, spec: PinSpec) -> dict[str, Any]:
-        token_ids = pin_token_ids(self.engine.tokenizer, spec.system, spec.tools)
-        path = self._snapshot_path(spec.name)
-        if path is not None and path.exists():
+        key = PinKey(spec.owner, spec.name)
+        token_ids = self._token_ids(spec)
+        path = self._snapshot_path(key)
+        reason = None
+        if path is not None and (path.exists() or pin_snapshots.checksum_path(path).exists()):
             meta = {"system_chars": len(spec.system), "num_tools": len(spec.tools or [])}
-            result = await self.engine.call(
-                lambda e: e.restore_pin(spec.name, token_ids, path, spec.ttl_s, meta))
-            if result is not None and result.pin is not None:
-                self.specs[spec.name] = spec
+            try:
+                payload = await asyncio.to_thread(pin_snapshots.read_snapshot, path)
+                await self.engine.call(lambda e: e.restore_pin(
+                    spec.name, token_ids, payload, spec.ttl_s, meta, owner=spec.owner,
+                    cache_salt=tenant_salt(spec.owner)))
+            except (SnapshotError, SnapshotMismatch) as exc:
+                reason = str(exc)
+                logger.warning("the KV snapshot of pin %r is unusable (%s): recomputing it",
+                               spec.name, reason)
+            else:
+                self.specs[key] = spec
                 return {"name": spec.name, "source": "snapshot", "num_tokens": len(token_ids)}
         described = await self.add(spec, persist=False)
-        await self._snapshot(spec.name)
-        return {"name": spec.name, "source": "recompute", "num_tokens": described["num_tokens"]}
+        await self._snapshot(spec)
+        entry = {"name": spec.name, "source": "recompute", "num_tokens": described["num_tokens"]}
+        if reason is not None:
+            entry["snapshot_error"] = reason
+        return entry
 
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True
+    def _remove_orphans(self) -> None:
+        assert self.state_dir is not None
+        keep = [self._snapshot_path(key) for key in [*self.specs, *self.unrestored]]
+        current = pin_snapshots.snapshot_dir(self.state_dir, self.engine.engine.loaded.fingerprint,
+                                         self.block_size)
+        try:
+            removed = pin_snapshots.remove_orphans(self.state_dir, current,
+                                               [p for p in keep if p is not None])
+        except OSError as exc:
+            logger.warning("could not remove unused snapshots: %s", exc)
+            return
+        if removed:
+            logger.info("removed %d snapshot file(s) or directories no pin names: %s",
+                        len(removed), ", ".join(str(p) for p in removed[:5]))

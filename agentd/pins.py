@@ -1,25 +1,32 @@
 """Engine-side pins: prefill a named prefix, hold its blocks, credit hits, diagnose near misses,
-and snapshot/restore the pinned KV.
+and gather/restore the pinned KV of a snapshot (the files are :mod:`agentd.pin_snapshots`).
 
 Runs on the engine thread only. Invariants: a pin is registered only after every one of its
-blocks holds computed KV; a snapshot is reused only when the model fingerprint and the token ids
-both match, otherwise the prefix is recomputed.
+blocks holds computed KV; a snapshot is restored only when the model fingerprint, the cache salt,
+the token ids and every tensor shape match (else ``SnapshotMismatch``, and the caller
+recomputes); a pin lives in its owner's name space and is hashed with its owner's cache salt.
 """
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from agentd.cache import BlockHash, KVCacheManager, Pin, PinError, PinExistsError, PinRegistry
+from agentd.cache import (
+    BlockHash,
+    KVCacheManager,
+    Pin,
+    PinError,
+    PinExistsError,
+    PinKey,
+    PinRegistry,
+)
 from agentd.chat import common_prefix_len
 from agentd.request import Request
 from agentd.scheduler import ScheduledRequest
@@ -49,6 +56,15 @@ _DATE_TIME = re.compile(
 )
 
 
+def tenant_salt(tenant: str | None) -> str | None:
+    """The cache salt of a tenant's requests and pins (None: the shared, unsalted cache)."""
+    return None if tenant is None else f"tenant:{tenant}"
+
+
+class SnapshotMismatch(ValueError):
+    """A snapshot that loaded but does not fit this pin, model or pool; the pin is recomputed."""
+
+
 @dataclass
 class NearMiss:
     pin: str
@@ -59,6 +75,7 @@ class NearMiss:
     request_text: str  # the same for the request
     cause: str
     time_s: float
+    owner: str | None = None  # the pin's tenant
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -76,6 +93,15 @@ class PinStat:
     ttl_s: float | None
     last_hit_s: float  # monotonic
     created_s: float  # wall clock
+    owner: str | None = None
+
+
+@dataclass(frozen=True)
+class NearMissCount:
+    owner: str | None  # the pin's tenant
+    pin: str
+    cause: str
+    count: int
 
 
 @dataclass(frozen=True)
@@ -83,10 +109,10 @@ class PinSummary:
     """Everything observers need about pins, immutable so it can cross threads as is."""
 
     pins: tuple[PinStat, ...] = ()
-    near_miss_counts: tuple[tuple[str, str, int], ...] = ()  # (pin, cause, count), top first
+    near_miss_counts: tuple[NearMissCount, ...] = ()  # top first
     recent_near_misses: tuple[NearMiss, ...] = ()  # newest last
     num_near_misses: int = 0
-    expired: tuple[str, ...] = ()  # pins decayed by TTL that the registry owner has not synced
+    expired: tuple[PinKey, ...] = ()  # pins decayed by TTL that the registry owner has not synced
 
 
 @dataclass
@@ -97,6 +123,12 @@ class PendingPin:
     meta: dict[str, Any]
     started_s: float
     tail_block: int | None = None  # once its KV is computed: the block, with our reference
+    owner: str | None = None
+    cache_salt: str | None = None
+
+    @property
+    def key(self) -> PinKey:
+        return PinKey(self.owner, self.name)
 
 
 @dataclass
@@ -117,23 +149,24 @@ class PinManager:
         self.registry = PinRegistry(kv_cache, max_pinned_blocks)
         self.pending: dict[str, PendingPin] = {}  # request id -> pin being prefilled
         self.near_misses: deque[NearMiss] = deque(maxlen=_NEAR_MISS_KEEP)
-        self.near_miss_counts: Counter[tuple[str, str]] = Counter()
+        self.near_miss_counts: Counter[tuple[PinKey, str]] = Counter()
 
     # --- registration ----------------------------------------------------------------------
-    def check_can_add(self, name: str, token_ids: list[int]) -> None:
+    def check_can_add(self, key: PinKey, token_ids: list[int],
+                      cache_salt: str | None = None) -> None:
         """Raise PinError (409/400) before any work when the pin cannot be added."""
-        if name in self.registry:
-            raise PinExistsError(f"a pin named {name!r} already exists; unpin it first")
-        if any(p.name == name for p in self.pending.values()):
-            raise PinExistsError(f"a pin named {name!r} is being registered already")
+        if key in self.registry:
+            raise PinExistsError(f"a pin named {key.name!r} already exists; unpin it first")
+        if any(p.key == key for p in self.pending.values()):
+            raise PinExistsError(f"a pin named {key.name!r} is being registered already")
         num_blocks = len(token_ids) // self.kv_cache.block_size
         if num_blocks == 0:
             raise PinError(f"the prefix is shorter than one block ({self.kv_cache.block_size} "
                            "tokens): nothing to pin")
-        cached = self.kv_cache.find_cached_prefix(token_ids)
+        cached = self.kv_cache.find_cached_prefix(token_ids, cache_salt)
         already = sum(1 for b in cached.block_ids if self.registry.holds(b))
         has_tail = len(token_ids) % self.kv_cache.block_size != 0
-        self.registry.check_can_add(name, num_blocks=num_blocks + has_tail - already)
+        self.registry.check_can_add(key, num_blocks=num_blocks + has_tail - already)
 
     def keep_tails(self, scheduled: list[ScheduledRequest]) -> None:
         """After a forward: a pin prefill that just computed its last tokens keeps a reference
@@ -180,7 +213,7 @@ class PinManager:
         return self._register(pending, restored=False)
 
     def _register(self, pending: PendingPin, restored: bool) -> PinResult:
-        cached = self.kv_cache.find_cached_prefix(pending.token_ids)
+        cached = self.kv_cache.find_cached_prefix(pending.token_ids, pending.cache_salt)
         num_blocks = len(pending.token_ids) // self.kv_cache.block_size
         elapsed = time.monotonic() - pending.started_s
         if len(cached.block_ids) < num_blocks:
@@ -195,7 +228,8 @@ class PinManager:
                                     cached.block_ids, cached.block_hashes[:num_blocks],
                                     now_s=time.monotonic(), created_s=time.time(),
                                     ttl_s=pending.ttl_s, meta=pending.meta,
-                                    tail_token_ids=tail, tail_block=pending.tail_block)
+                                    tail_token_ids=tail, tail_block=pending.tail_block,
+                                    owner=pending.owner, cache_salt=pending.cache_salt)
         except Exception as exc:
             self._drop_tail(pending)
             return PinResult(None, exc, elapsed, restored)
@@ -203,57 +237,66 @@ class PinManager:
         return PinResult(pin, None, elapsed, restored)
 
     # --- snapshots -------------------------------------------------------------------------
-    def save_snapshot(self, pin: Pin, kv_caches: list[torch.Tensor], path: Path,
-                      fingerprint: str) -> None:
-        """Write the pin's KV blocks to ``path`` atomically (tmp file + rename)."""
+    @staticmethod
+    def snapshot_shape(pin: Pin, kv_caches: list[torch.Tensor]
+                       ) -> tuple[tuple[int, ...], torch.dtype]:
+        """Shape and dtype of the buffer ``gather_snapshot`` fills with the pin's full blocks."""
+        first = kv_caches[0]
+        return (len(kv_caches), pin.num_blocks, *first.shape[1:]), first.dtype
+
+    def gather_snapshot(self, pin: Pin, kv_caches: list[torch.Tensor], fingerprint: str,
+                        out: torch.Tensor | None = None) -> dict[str, Any]:
+        """Copy the pin's KV out of the pool (on the engine thread, so no step writes under it);
+        :func:`agentd.pin_snapshots.write_snapshot` writes the result from another thread.
+
+        ``out``: a buffer of ``snapshot_shape`` whose pages another thread has touched already,
+        so the engine thread only copies (a fresh 100 MB buffer cost it 4x as long, page faults
+        included).
+        """
         first = kv_caches[0]
         index = torch.tensor(pin.block_ids, dtype=torch.long, device=first.device)
+        shape, dtype = self.snapshot_shape(pin, kv_caches)
+        if out is None or tuple(out.shape) != shape or out.dtype != dtype or out.is_cuda:
+            out = torch.empty(shape, dtype=dtype)
         # One layer at a time into one buffer: stacking per-layer copies held the pin's KV twice
         # (+95 MB of RSS for a 2,064-token pin of the default model).
-        kv = torch.empty((len(kv_caches), len(index), *first.shape[1:]), dtype=first.dtype)
-        for saved, layer in zip(kv, kv_caches, strict=True):
-            saved.copy_(layer.index_select(0, index))
-        payload = {"fingerprint": fingerprint, "token_ids": pin.token_ids, "kv": kv}
+        for saved, layer in zip(out, kv_caches, strict=True):
+            if layer.device == out.device:
+                torch.index_select(layer, 0, index, out=saved)
+            else:
+                saved.copy_(layer.index_select(0, index))
+        kv = out
+        payload = {"fingerprint": fingerprint, "cache_salt": pin.cache_salt,
+                   "token_ids": pin.token_ids, "kv": kv}
         if pin.tail_block is not None:  # [layers, 2, tail tokens, Hkv, D]
             num_tail = len(pin.tail_token_ids)
             payload["tail_token_ids"] = pin.tail_token_ids
             payload["tail_kv"] = torch.stack([layer[pin.tail_block, :, :num_tail].cpu()
                                               for layer in kv_caches])
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            _test_pause()  # tests kill -9 the daemon here, with the snapshot half-committed
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        return payload
 
-    def restore_snapshot(self, pending: PendingPin, kv_caches: list[torch.Tensor], path: Path,
-                         fingerprint: str) -> PinResult | None:
-        """Load a snapshot into fresh blocks and pin them; None when it does not fit this model."""
-        try:
-            payload = torch.load(path, map_location="cpu", weights_only=True)
-        except (OSError, RuntimeError, EOFError, ValueError):
-            return None
+    def restore_snapshot(self, pending: PendingPin, kv_caches: list[torch.Tensor],
+                         payload: dict[str, Any], fingerprint: str) -> PinResult:
+        """Copy a loaded snapshot into fresh blocks and pin them.
+
+        Raises SnapshotMismatch (nothing changes) when it does not fit this pin and model, and
+        PinError when the pin cannot be added.
+        """
         block_size = self.kv_cache.block_size
         num_blocks = len(pending.token_ids) // block_size
-        kv = payload.get("kv")
-        if (payload.get("fingerprint") != fingerprint
-                or payload.get("token_ids") != pending.token_ids[: num_blocks * block_size]
-                or kv is None or tuple(kv.shape[2:]) != tuple(kv_caches[0].shape[1:])
-                or kv.shape[0] != len(kv_caches) or kv.shape[1] != num_blocks):
-            return None
+        kv = _check_snapshot(payload, pending, kv_caches, fingerprint, num_blocks * block_size)
         tail = pending.token_ids[num_blocks * block_size:]
         tail_kv = payload.get("tail_kv")
-        if not tail or payload.get("tail_token_ids") != tail or tail_kv is None or tuple(
-                tail_kv.shape) != (len(kv_caches), 2, len(tail), *kv_caches[0].shape[3:]):
+        if not tail or payload.get("tail_token_ids") != tail or not isinstance(
+                tail_kv, torch.Tensor) or tuple(tail_kv.shape) != (
+                len(kv_caches), 2, len(tail), *kv_caches[0].shape[3:]):
             tail, tail_kv = [], None  # an older snapshot: the pin goes without its tail
             pending.token_ids = pending.token_ids[:num_blocks * block_size]
-        self.registry.check_can_add(pending.name, num_blocks=num_blocks + bool(tail))
+        self.registry.check_can_add(pending.key, num_blocks=num_blocks + bool(tail))
         request_id = f"pin-restore-{pending.name}"
-        cached = self.kv_cache.find_cached_prefix(pending.token_ids)
+        cached = self.kv_cache.find_cached_prefix(pending.token_ids, pending.cache_salt)
         if self.kv_cache.allocate(request_id, len(pending.token_ids), cached) is None:
-            return None
+            raise PinError("the pool has no room for the snapshot's blocks")
         table = self.kv_cache.block_table(request_id)
         num_reused = len(cached.block_ids)
         new_ids = torch.tensor(table[num_reused:num_blocks], dtype=torch.long)
@@ -266,7 +309,8 @@ class PinManager:
                 layer[pending.tail_block, :, :len(tail)] = saved.to(device=layer.device,
                                                                     dtype=layer.dtype)
             self.kv_cache.touch([pending.tail_block])
-        self.kv_cache.cache_blocks(request_id, pending.token_ids, num_blocks * block_size)
+        self.kv_cache.cache_blocks(request_id, pending.token_ids, num_blocks * block_size,
+                                   pending.cache_salt)
         result = self._register(pending, restored=True)
         self.kv_cache.free(request_id)  # the pin's own references keep the blocks
         return result
@@ -278,9 +322,10 @@ class PinManager:
         if not len(self.registry) and not self.near_misses and not expired:
             return _EMPTY_SUMMARY
         pins = tuple(PinStat(p.name, p.num_tokens, p.num_blocks_held, p.num_hits,
-                             p.num_tokens_served, p.ttl_s, p.last_hit_s, p.created_s)
+                             p.num_tokens_served, p.ttl_s, p.last_hit_s, p.created_s, p.owner)
                      for p in self.registry)
-        counts = tuple((pin, cause, n) for (pin, cause), n in self.near_miss_counts.most_common())
+        counts = tuple(NearMissCount(key.owner, key.name, cause, n)
+                       for (key, cause), n in self.near_miss_counts.most_common())
         recent = tuple(self.near_misses)[-_NEAR_MISS_RECENT:]
         return PinSummary(pins, counts, recent, sum(self.near_miss_counts.values()), expired)
 
@@ -321,8 +366,8 @@ class PinManager:
         request_text = self._context(tokens, index)
         cause = guess_cause(pin_text, request_text)
         self.near_misses.append(NearMiss(pin.name, request.request_id, index, pin.num_tokens,
-                                         pin_text, request_text, cause, time.time()))
-        self.near_miss_counts[(pin.name, cause)] += 1
+                                         pin_text, request_text, cause, time.time(), pin.owner))
+        self.near_miss_counts[(pin.key, cause)] += 1
 
     def _context(self, token_ids: list[int], index: int) -> str:
         before = self.tokenizer.decode(token_ids[max(0, index - 24):index])
@@ -347,14 +392,24 @@ def guess_cause(pin_text: str, request_text: str) -> str:
     return CAUSE_TEXT
 
 
+def _check_snapshot(payload: dict[str, Any], pending: PendingPin, kv_caches: list[torch.Tensor],
+                    fingerprint: str, num_full_tokens: int) -> torch.Tensor:
+    """The snapshot's full-block KV, once it is known to fit; else SnapshotMismatch."""
+    kv = payload.get("kv")
+    num_blocks = num_full_tokens // kv_caches[0].shape[2]
+    if payload.get("fingerprint") != fingerprint:
+        raise SnapshotMismatch("it was taken with another model, dtype or tokenizer")
+    if payload.get("cache_salt") != pending.cache_salt:
+        raise SnapshotMismatch("it was taken under another cache salt (tenant)")
+    if payload.get("token_ids") != pending.token_ids[:num_full_tokens]:
+        raise SnapshotMismatch("its tokens differ from the pin's (the template changed?)")
+    if not isinstance(kv, torch.Tensor) or tuple(kv.shape) != (
+            len(kv_caches), num_blocks, *kv_caches[0].shape[1:]):
+        raise SnapshotMismatch("its KV tensor has the wrong shape for this model and pool")
+    return kv
+
+
 def _split_at_divergence(text: str) -> tuple[str, str]:
     before, _, after = text.partition("⟦")
     return before, after
 
-
-def _test_pause() -> None:
-    """Tests only: hold for ``$AGENTD_TEST_PAUSE_SNAPSHOT_S`` seconds in the middle of writing a
-    KV snapshot, so a test can ``kill -9`` the daemon with the snapshot half written."""
-    pause_s = os.environ.get("AGENTD_TEST_PAUSE_SNAPSHOT_S")
-    if pause_s:
-        time.sleep(float(pause_s))

@@ -42,6 +42,9 @@ class Request:
     first_token_time_s: float | None = None
     num_preemptions: int = 0
     prefix_block_hashes: list[bytes] | None = None  # hashes of the prompt's full blocks
+    # hashes of all_token_ids' full blocks as far as they were looked up: computed once while
+    # the request waits (and extended after a preemption), never again every step
+    block_hashes: list[bytes] = field(default_factory=list)
     pin_name: str | None = None  # the pin this request hit, if any
 
     def __post_init__(self) -> None:

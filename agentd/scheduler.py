@@ -136,7 +136,8 @@ class Scheduler:
                and not out.preempted_ids):
             request = self.waiting[index]
             cached = self.kv_cache.find_cached_prefix(
-                request.all_token_ids, request.cache_salt, max_num_tokens=request.num_tokens - 1)
+                request.all_token_ids, request.cache_salt, max_num_tokens=request.num_tokens - 1,
+                block_hashes=request.block_hashes)  # hashed once, not every step it waits
             if self._would_recompute(cached, computing):
                 index += 1  # running prefills are computing its next blocks: wait for the hits
                 continue
@@ -201,7 +202,7 @@ class Scheduler:
         request.num_computed_tokens = num_cached
         if request.num_cached_tokens is None:
             request.num_cached_tokens = num_cached
-            request.prefix_block_hashes = cached.block_hashes
+            request.prefix_block_hashes = list(cached.block_hashes)
             out.admitted_ids.append(request.request_id)
             self.stats.prefix_cache_queries += request.num_tokens
             self.stats.prefix_cache_hits += num_cached

@@ -15,12 +15,19 @@ What runs:
 - every ``--report-every`` seconds a line: daemon RSS, blocks used/cached/pinned/free,
   requests running/waiting, completed/aborted/refused/failed counts.
 
-At the end traffic stops, the pool must go idle (only pins hold blocks), ``/admin/integrity``
+Then traffic stops and, with ``--corruption-rounds`` (default: one per kind of damage), the
+daemon is stopped, something on disk is damaged — a snapshot's bits flipped, truncated or
+replaced with random bytes, its checksum deleted, ``pins.json`` truncated or garbled, a bad entry
+added to it, stray snapshots and another model's kv dir left behind — and started again: every
+pin must be listed, hit in full and give the greedy reply it gave before any damage.
+
+At the end the pool must go idle (only pins hold blocks), ``/admin/integrity``
 must be ok and every reply must have been 200 or 503 (busy, or loading during a restart);
 the exit status says whether all of that held. A stream the daemon ends during a graceful stop
 (an error event with code ``service_unavailable``, then ``[DONE]``) counts like a 503.
 
     python benchmarks/soak.py --minutes 10
+    python benchmarks/soak.py --minutes 1 --restart-every 30 --workloads support_agent
     python benchmarks/soak.py --minutes 2 --model /path/to/model --restart-every 45
 """
 
@@ -42,6 +49,7 @@ from typing import Any
 import httpx
 
 from agentd.bench.spawn import SpawnedDaemon
+from agentd.pin_snapshots import file_stem
 
 WORKLOADS = ("coding_agent", "support_agent", "research_agent")
 READY_TIMEOUT_S = 900.0
@@ -239,6 +247,92 @@ async def restarter(daemon: SpawnedDaemon, running: asyncio.Event, every_s: floa
         running.set()
 
 
+# --- damage on disk between restarts -----------------------------------------------------------
+def _snapshot(state: Path, name: str, suffix: str = ".pt") -> Path:
+    (path,) = state.glob(f"kv/*/{file_stem(name)}{suffix}")
+    return path
+
+
+def _flip_bits(path: Path, rng: random.Random) -> None:
+    data = bytearray(path.read_bytes())
+    for index in rng.sample(range(len(data) // 3, len(data)), 64):
+        data[index] ^= 0x80
+    path.write_bytes(bytes(data))
+
+
+def _bad_entry(path: Path) -> None:
+    doc = json.loads(path.read_text())
+    doc["pins"].insert(1, {"name": "broken", "system": 42})
+    path.write_text(json.dumps(doc))
+
+
+def _strays(state: Path, name: str) -> None:
+    snapshot = _snapshot(state, name)
+    snapshot.with_name("nobody.pt").write_bytes(b"stray")
+    other = state / "kv" / "0123456789abcdef-b16"
+    other.mkdir(parents=True, exist_ok=True)
+    (other / f"{name}.pt").write_bytes(b"another model's snapshot")
+
+
+DAMAGE = {  # (what, how): how(state dir, a pin's name, rng)
+    "snapshot bits flipped": lambda state, name, rng: _flip_bits(_snapshot(state, name), rng),
+    "snapshot truncated": lambda state, name, rng: _snapshot(state, name).write_bytes(
+        _snapshot(state, name).read_bytes()[:4096]),
+    "snapshot replaced by random bytes": lambda state, name, rng: _snapshot(state, name)
+        .write_bytes(rng.randbytes(_snapshot(state, name).stat().st_size)),
+    "snapshot checksum deleted": lambda state, name, rng: _snapshot(state, name, ".pt.xxh3")
+        .unlink(),
+    "pins.json truncated": lambda state, name, rng: (state / "pins.json").write_bytes(
+        (state / "pins.json").read_bytes()[:100]),
+    "pins.json random bytes": lambda state, name, rng: (state / "pins.json").write_bytes(
+        rng.randbytes(500)),
+    "pins.json with a bad entry": lambda state, name, rng: _bad_entry(state / "pins.json"),
+    "stray snapshots, another model's kv dir": lambda state, name, rng: _strays(state, name),
+}
+
+
+def greedy_replies(daemon: SpawnedDaemon, traffic: Traffic) -> dict[str, tuple[int, str]]:
+    """Per pinned workload: (cached tokens, 12 greedy tokens' text) of one fixed turn."""
+    replies = {}
+    for name, spec in traffic.specs.items():
+        response = httpx.post(f"{daemon.url}/v1/chat/completions", timeout=600, json={
+            "messages": [{"role": "system", "content": spec["system"]},
+                         {"role": "user", "content": spec["turns"][0]}],
+            "tools": spec["tools"], "temperature": 0, "max_tokens": 12})
+        body = response.json()
+        replies[name] = (body["usage"]["prompt_tokens_details"]["cached_tokens"],
+                         json.dumps(body["choices"][0]["message"]))
+    return replies
+
+
+def corruption_phase(daemon: SpawnedDaemon, traffic: Traffic, pinned: dict[str, int],
+                     rounds: int, seed: int) -> list[str]:
+    """Damage the state dir between restarts; returns the problems found (none: a pass)."""
+    rng = random.Random(seed)
+    reference = greedy_replies(daemon, traffic)
+    problems = []
+    names = sorted(pinned)
+    for index in range(rounds):
+        what = list(DAMAGE)[index % len(DAMAGE)]
+        name = names[index % len(names)]
+        daemon.stop()
+        DAMAGE[what](daemon.state_dir, name, rng)
+        ready_s = daemon.start()
+        listed = pins_listed(daemon)
+        report = httpx.get(f"{daemon.url}/v1/stats", timeout=60).json()["pin_restore"]
+        replies = greedy_replies(daemon, traffic)
+        wrong = [n for n in names if replies[n][1] != reference[n][1]
+                 or replies[n][0] < pinned[n]]
+        sources = ", ".join(f"{e['name']}: {e.get('source') or 'error: ' + e['error'][:60]}"
+                            for e in report)
+        line = (f"{what} ({name}): ready in {ready_s:.1f} s; {sources}; pins "
+                f"{'intact' if listed == pinned and not wrong else 'WRONG'}")
+        print(f"--- {line}", flush=True)
+        if listed != pinned or wrong:
+            problems.append(f"{line}: listed {listed}, wrong replies {wrong}")
+    return problems
+
+
 async def soak(args: argparse.Namespace, state_dir: Path) -> int:
     daemon = spawn(args, state_dir)
     traffic = Traffic(args.seed, args.abort_fraction, args.max_tokens, args.workloads.split(","))
@@ -259,8 +353,12 @@ async def soak(args: argparse.Namespace, state_dir: Path) -> int:
             restarter(daemon, running, args.restart_every, stop_at, pinned, restarts),
             *(client_loop(daemon, traffic, tally, running, stop_at, args.seed + i)
               for i in range(args.concurrency)))
+        elapsed_s = time.monotonic() - started
+        damaged = await asyncio.to_thread(corruption_phase, daemon, traffic, pinned,
+                                          args.corruption_rounds, args.seed)
+        tally.unexpected += damaged
         return await asyncio.to_thread(final_check, daemon, tally, rss, restarts, pinned,
-                                       time.monotonic() - started)
+                                       elapsed_s)
     finally:  # whatever happened, never leave a daemon behind
         daemon.stop()
 
@@ -314,6 +412,9 @@ def main() -> None:
     parser.add_argument("--max-queue", type=int, default=4)
     parser.add_argument("--restart-every", type=float, default=180.0, help="seconds")
     parser.add_argument("--report-every", type=float, default=15.0, help="seconds")
+    parser.add_argument("--corruption-rounds", type=int, default=len(DAMAGE),
+                        help="restarts with damage on disk after the traffic [default: one per "
+                             "kind of damage; 0 skips the phase]")
     parser.add_argument("--workloads", default=",".join(WORKLOADS),
                         help="comma-separated workloads to draw from (and pin)")
     parser.add_argument("--seed", type=int, default=0)

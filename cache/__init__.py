@@ -13,8 +13,10 @@ from .pins import (
     PinBudgetError,
     PinError,
     PinExistsError,
+    PinKey,
     PinNotFoundError,
     PinRegistry,
+    pin_key,
 )
 
 __all__ = [
@@ -29,8 +31,10 @@ __all__ = [
     "PinBudgetError",
     "PinError",
     "PinExistsError",
+    "PinKey",
     "PinNotFoundError",
     "PinRegistry",
     "hash_block",
     "hash_blocks",
+    "pin_key",
 ]

@@ -72,6 +72,7 @@ class KVCacheManager:
         token_ids: Sequence[int],
         cache_salt: str | None = None,
         max_num_tokens: int | None = None,
+        block_hashes: list[BlockHash] | None = None,
     ) -> CachedPrefix:
         """Find the longest run of leading full blocks already in the pool; changes nothing.
 
@@ -79,13 +80,19 @@ class KVCacheManager:
             token_ids: the request's tokens.
             cache_salt: the request's salt; a different salt never hits.
             max_num_tokens: cap on the prefix length, rounded down to whole blocks.
+            block_hashes: the hashes of ``token_ids``' leading full blocks known so far (a
+                waiting request's own list, vLLM's ``request.block_hashes``): extended in place
+                with the blocks it lacks, so a request looked up every step is hashed once.
 
         Returns:
             The hit blocks (no references taken) and the hashes of every full block.
         """
         if not self.enable_caching:
             return CachedPrefix(block_ids=[], block_hashes=[], num_tokens=0)
-        block_hashes = hash_blocks(token_ids, self.block_size, self.extra_key, cache_salt)
+        if block_hashes is None:
+            block_hashes = []
+        self._extend_hashes(block_hashes, token_ids, len(token_ids) // self.block_size,
+                            cache_salt)
         max_num_blocks = len(block_hashes)
         if max_num_tokens is not None:
             max_num_blocks = min(max_num_blocks, max(0, max_num_tokens) // self.block_size)
@@ -164,23 +171,33 @@ class KVCacheManager:
         start = state.num_cached_blocks
         if num_full_blocks <= start:
             return
-        num_known = len(state.block_hashes)
-        if num_known < num_full_blocks:
-            parent = state.block_hashes[-1] if num_known else None
-            state.block_hashes.extend(
-                hash_blocks(
-                    token_ids[: num_full_blocks * self.block_size],
-                    self.block_size,
-                    self.extra_key,
-                    cache_salt,
-                    parent=parent,
-                    start_block=num_known,
-                )
-            )
+        self._extend_hashes(state.block_hashes, token_ids, num_full_blocks, cache_salt)
         self.pool.cache_full_blocks(
             state.block_ids[start:num_full_blocks], state.block_hashes[start:num_full_blocks]
         )
         state.num_cached_blocks = num_full_blocks
+
+    def _extend_hashes(
+        self,
+        block_hashes: list[BlockHash],
+        token_ids: Sequence[int],
+        num_blocks: int,
+        cache_salt: str | None,
+    ) -> None:
+        """Append the hashes of blocks ``len(block_hashes) .. num_blocks - 1`` of the chain."""
+        num_known = len(block_hashes)
+        if num_known >= num_blocks:
+            return
+        block_hashes.extend(
+            hash_blocks(
+                token_ids[: num_blocks * self.block_size],
+                self.block_size,
+                self.extra_key,
+                cache_salt,
+                parent=block_hashes[-1] if num_known else None,
+                start_block=num_known,
+            )
+        )
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks, last block first, and forget it; unknown ids: no-op."""

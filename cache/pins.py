@@ -2,6 +2,9 @@
 
 A pin is a reference held by a named owner: pin = touch, unpin = free. Pinned blocks therefore
 have ``ref_cnt > 0`` and never reach the free queue; the evictor needs no "pinned" flag.
+Pins are scoped by tenant: a pin is found by its ``PinKey`` (tenant, name), so two tenants may
+each hold a pin of the same name, and its blocks are hashed under its tenant's cache salt, so
+only that tenant's requests ever match it. ``owner=None`` is the server-wide name space.
 Invariants: a pin holds exactly one reference on each of its blocks; the number of distinct
 pinned blocks never exceeds ``max_pinned_blocks``; a refused pin changes nothing.
 """
@@ -10,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from .hashing import BlockHash
 from .kv_cache_manager import KVCacheManager
@@ -43,6 +46,18 @@ class PinBudgetError(PinError):
         self.num_left = num_left
 
 
+class PinKey(NamedTuple):
+    """Who a pin belongs to and its name within that tenant's name space."""
+
+    owner: str | None  # the tenant that registered it; None: the server-wide name space
+    name: str
+
+
+def pin_key(key: PinKey | str) -> PinKey:
+    """A bare name is the server-wide pin of that name."""
+    return key if isinstance(key, PinKey) else PinKey(None, key)
+
+
 @dataclass
 class Pin:
     name: str
@@ -59,6 +74,12 @@ class Pin:
     # a reference on it; it is never in the prefix cache, which keeps full blocks only).
     tail_token_ids: list[int] = field(default_factory=list)
     tail_block: int | None = None
+    owner: str | None = None  # the tenant whose name space and cache salt the pin lives in
+    cache_salt: str | None = None  # the salt its blocks were hashed with (its owner's)
+
+    @property
+    def key(self) -> PinKey:
+        return PinKey(self.owner, self.name)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -88,7 +109,7 @@ class PinRegistry:
     def __init__(self, kv_cache: KVCacheManager, max_pinned_blocks: int) -> None:
         self.kv_cache = kv_cache
         self.max_pinned_blocks = max_pinned_blocks
-        self._pins: dict[str, Pin] = {}
+        self._pins: dict[PinKey, Pin] = {}
         self._holders: dict[int, int] = {}  # block id -> number of pins holding it
 
     def __iter__(self) -> Iterator[Pin]:
@@ -97,13 +118,14 @@ class PinRegistry:
     def __len__(self) -> int:
         return len(self._pins)
 
-    def __contains__(self, name: str) -> bool:
-        return name in self._pins
+    def __contains__(self, key: PinKey | str) -> bool:
+        return pin_key(key) in self._pins
 
-    def get(self, name: str) -> Pin:
-        if name not in self._pins:
-            raise PinNotFoundError(f"no pin named {name!r}")
-        return self._pins[name]
+    def get(self, key: PinKey | str) -> Pin:
+        key = pin_key(key)
+        if key not in self._pins:
+            raise PinNotFoundError(f"no pin named {key.name!r}")
+        return self._pins[key]
 
     def holds(self, block_id: int) -> bool:
         return block_id in self._holders
@@ -113,28 +135,31 @@ class PinRegistry:
         """Distinct blocks held by pins (pins sharing a prefix share its blocks)."""
         return len(self._holders)
 
-    def check_can_add(self, name: str, block_ids: Sequence[int] | None = None,
+    def check_can_add(self, key: PinKey | str, block_ids: Sequence[int] | None = None,
                       num_blocks: int = 0) -> None:
-        """Raise if ``name`` is taken or the blocks would exceed the budget; changes nothing.
+        """Raise if ``key`` is taken or the blocks would exceed the budget; changes nothing.
 
         Args:
-            name: the pin's name.
+            key: the pin's tenant and name.
             block_ids: the exact blocks, when known (shared ones cost nothing).
             num_blocks: otherwise, an upper bound on the new blocks.
         """
-        if name in self._pins:
-            raise PinExistsError(f"a pin named {name!r} already exists; unpin it first")
+        key = pin_key(key)
+        if key in self._pins:
+            raise PinExistsError(f"a pin named {key.name!r} already exists; unpin it first")
         if block_ids is not None:
             num_blocks = len({b for b in block_ids if b not in self._holders})
         num_left = self.max_pinned_blocks - self.num_pinned_blocks
         if num_blocks > num_left:
-            raise PinBudgetError(name, num_blocks, num_left, self.max_pinned_blocks)
+            raise PinBudgetError(key.name, num_blocks, num_left, self.max_pinned_blocks)
 
     def add(self, name: str, token_ids: Sequence[int], block_ids: Sequence[int],
             block_hashes: Sequence[BlockHash], now_s: float, created_s: float,
             ttl_s: float | None = None, meta: dict[str, Any] | None = None,
-            tail_token_ids: Sequence[int] = (), tail_block: int | None = None) -> Pin:
-        """Pin ``block_ids`` (the full blocks of ``token_ids``) under ``name``.
+            tail_token_ids: Sequence[int] = (), tail_block: int | None = None,
+            owner: str | None = None, cache_salt: str | None = None) -> Pin:
+        """Pin ``block_ids`` (the full blocks of ``token_ids``) under ``name`` in ``owner``'s name
+        space; ``block_hashes`` were computed with ``cache_salt``.
 
         ``tail_block`` holds the KV of ``tail_token_ids`` (fewer than a block), the tokens that
         follow; the caller took a reference on it, which the pin adopts (and drops on removal).
@@ -152,19 +177,19 @@ class PinRegistry:
                              "a block exactly when there are tokens")
         pin = Pin(name, list(token_ids), list(block_ids), list(block_hashes), created_s, ttl_s,
                   now_s, meta=dict(meta or {}), tail_token_ids=list(tail_token_ids),
-                  tail_block=tail_block)
-        self.check_can_add(name, pin.held_block_ids)
+                  tail_block=tail_block, owner=owner, cache_salt=cache_salt)
+        self.check_can_add(pin.key, pin.held_block_ids)
         self.kv_cache.touch(block_ids)
         for block_id in pin.held_block_ids:
             self._holders[block_id] = self._holders.get(block_id, 0) + 1
-        self._pins[name] = pin
+        self._pins[pin.key] = pin
         return pin
 
-    def remove(self, name: str) -> Pin:
+    def remove(self, key: PinKey | str) -> Pin:
         """Unpin: drop the pin's references; its full blocks become ordinary cached (LRU)
         blocks, its tail block a free one."""
-        pin = self.get(name)
-        del self._pins[name]
+        pin = self.get(key)
+        del self._pins[pin.key]
         if pin.tail_block is not None:
             self.kv_cache.free_blocks([pin.tail_block])
         self.kv_cache.free_blocks(pin.block_ids)
@@ -189,7 +214,7 @@ class PinRegistry:
         pin.num_tokens_served += num_tokens
         pin.last_hit_s = now_s
 
-    def expired(self, now_s: float) -> list[str]:
-        """Names of pins whose TTL passed without a hit (they should decay to LRU)."""
-        return [p.name for p in self._pins.values()
+    def expired(self, now_s: float) -> list[PinKey]:
+        """Pins whose TTL passed without a hit (they should decay to LRU)."""
+        return [p.key for p in self._pins.values()
                 if p.ttl_s is not None and now_s - p.last_hit_s > p.ttl_s]

@@ -58,13 +58,15 @@ def _bind_error(host: str, port: int, exc: OSError) -> str:
     return f"cannot listen on {host}:{port}: {exc.strerror or exc}"
 
 
-def detach(child_args: list[str], api_key: str | None, paths: StatePaths, url: str) -> None:
+def detach(child_args: list[str], api_key: str | None, paths: StatePaths, url: str,
+           admin_key: str | None = None) -> None:
     """Start ``agentd start <child_args>`` in the background and wait until it is ready."""
-    paths.root.mkdir(parents=True, exist_ok=True)
+    paths.make_root()
     env = dict(os.environ)
-    if api_key:
-        env["AGENTD_API_KEY"] = api_key
-    with open(paths.log_file, "ab") as log:
+    for name, key in (("AGENTD_API_KEY", api_key), ("AGENTD_ADMIN_KEY", admin_key)):
+        if key:
+            env[name] = key
+    with paths.open_log() as log:
         log_offset = log.tell()
         log.write(f"--- agentd start --detach at {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
                   .encode())

@@ -1,6 +1,7 @@
 """The daemon's state directory: where ``agentd start`` keeps its pid file, log and address.
 
 Invariants: files are written atomically (temp file + rename), so a reader never sees half a pid;
+the directory is 0700 and every file agentd writes in it 0600 (they hold prompts and keys' use);
 a process removes a pid file only when it holds that process's own pid; a pid counts as alive
 only if the process exists and is not a zombie. The directory is ``--state-dir``, else
 ``$AGENTD_HOME``, else ``$XDG_STATE_HOME/agentd``, else ``~/.local/state/agentd``.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import stat
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +59,20 @@ class StatePaths:
     def daemon_file(self) -> Path:
         return self.root / "daemon.json"
 
+    def make_root(self) -> Path:
+        """Create the state dir if needed; make it (and an older, looser one) 0700."""
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(self.root, 0o700)
+        return self.root
+
+    def open_log(self) -> Any:
+        """The log, opened for appending, 0600 (an older, looser one is tightened)."""
+        self.make_root()
+        fd = os.open(self.log_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        if stat.S_ISREG(os.fstat(fd).st_mode):  # never chmod what a link points to
+            os.fchmod(fd, 0o600)
+        return os.fdopen(fd, "ab")
+
     def read_pid(self) -> int | None:
         try:
             return int(self.pid_file.read_text().strip())
@@ -83,7 +99,8 @@ class StatePaths:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write ``path`` (0600, like every file mkstemp makes) through a temp file and a rename."""
+    StatePaths(path.parent).make_root()
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     try:
         with os.fdopen(fd, "w") as f:

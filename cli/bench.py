@@ -164,8 +164,8 @@ def _report(run: Any, options: Any, opts: dict[str, Any]) -> None:
                                                 indent=2))
         click.echo(f"wrote {opts['json_path']}")
     if opts["plot_path"] is not None:
-        from agentd.bench.plot import write_plot
+        from agentd.bench.plot import plot_data, write_plot
 
-        write_plot(opts["plot_path"], run.results,
+        write_plot(opts["plot_path"], plot_data(run.results),
                    f"agentd bench: {run.server.kind} at {run.server.root_url}, {run.server.model}")
         click.echo(f"wrote {opts['plot_path']}")

@@ -32,17 +32,27 @@ def command(as_json: bool, url: str) -> None:
 
 
 def pins_table(pins: list[dict[str, Any]]) -> Any:
-    from rich.table import Table
-
-    table = Table(title="pins", title_justify="left")
-    for column in ("name", "tokens", "blocks", "hits", "cached tokens", "TTL", "idle", "age"):
-        table.add_column(column, justify="left" if column == "name" else "right",
-                         no_wrap=True)
+    table = compact_table("pins", "name", ["tokens", "blocks", "hits", "cached\ntokens", "TTL",
+                                           "idle", "age"])
     now = time.time()
     for p in pins:
         table.add_row(p["name"], str(p["num_tokens"]), str(p["num_blocks"]), str(p["hits"]),
                       str(p["tokens_served"]), short_duration(p.get("ttl")),
                       short_duration(p["idle_s"]), short_duration(max(now - p["created"], 0)))
+    return table
+
+
+def compact_table(title: str, name: str, numbers: list[str], **kwargs: Any) -> Any:
+    """A table whose first column (a pin's name) folds onto more lines rather than losing
+    characters, and whose other columns (numbers) never wrap. Without vertical rules, so an
+    80-column terminal holds the usual names whole."""
+    from rich import box
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD, **kwargs)
+    table.add_column(name, overflow="fold", ratio=1, min_width=12)
+    for column in numbers:
+        table.add_column(column, justify="right", no_wrap=True)
     return table
 
 

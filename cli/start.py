@@ -23,6 +23,7 @@ import click
 from agentd.cli._daemon import bind_listener, detach, display_url
 from agentd.cli._state import StatePaths, state_dir_option
 from agentd.config import EngineConfig, parse_duration, parse_size
+from agentd.model.default_model import DEFAULT_MODEL_NAME
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -82,19 +83,43 @@ def _option(name: str, **kwargs: Any) -> Any:
          type=click.Choice(["onednn", "torch"]),
          help="CPU matmuls: oneDNN with packed weights, or torch's F.linear.")
 @_option("--no-prefix-caching", is_flag=True, help="Turn prefix (KV) caching off.")
+@_option("--no-jump-forward", is_flag=True,
+         help="Decode every token of a constrained output, even where the grammar allows only "
+              "one continuation (by default such text is appended without a step each).")
 @_option("--seed", default=_DEFAULTS["seed"], type=int, help="Seed for requests without one.")
-@_option("--num-threads", default=None, type=int, help="CPU threads for torch [default: all].")
+@_option("--num-threads", default=None, type=int,
+         help="CPU threads for torch [default: all cores]. Every daemon takes this many: "
+              "with several daemons on one host, give each its share (e.g. 4 each of 8 "
+              "cores), or they slow each other down. `agentd status` shows it.")
 @_option("--api-key", multiple=True,
-         help="Require 'Authorization: Bearer KEY' on /v1 and /admin routes. Repeat it (or "
-              "separate keys with commas) for several keys; each key then gets its own "
-              "prefix cache unless --shared-cache.")
+         help="Require 'Authorization: Bearer KEY' on /v1, /admin and /metrics. Repeat it "
+              "(or separate keys with commas) for several keys; each key is then a tenant "
+              "with its own prefix cache and pins unless --shared-cache.")
 @_option("--shared-cache", is_flag=True,
          help="With several API keys, let them share cached prefixes and pins.")
+@_option("--admin-key", multiple=True,
+         help="A key for the operator (repeat or comma-separate for several): with several "
+              "--api-key tenants only admin keys reach /admin, /v1/stats, /metrics and every "
+              "tenant's pins; an admin key's own pins and requests use the shared cache.")
+@_option("--metrics-public", is_flag=True,
+         help="Serve /metrics without a key even when keys are set.")
 @_option("--max-queue", default=256, type=click.IntRange(min=0),
          help="Requests that may wait beyond a full batch; past that, 503 with Retry-After.")
 @_option("--max-request-body", default="16MiB", help="Largest request body accepted (413).")
+@_option("--read-timeout", default="30s",
+         help="How long a client may take to send a request's headers, and then its body, "
+              "before it gets a 408 and is disconnected.")
+@_option("--allowed-hosts", multiple=True,
+         help="More names the Host header may carry (repeat or comma-separate; '*.example.com', "
+              "'*' for any). Loopback names and the --host address always work; others are "
+              "refused (403), a guard against DNS rebinding.")
+@_option("--cors-origin", multiple=True,
+         help="Origin (e.g. http://localhost:3000) whose web pages may call the API; repeat or "
+              "comma-separate [default: none].")
 @_option("--shutdown-grace", default="10s",
          help="How long in-flight requests may run on after a stop before they are aborted.")
+@click.option("--log-file", hidden=True, default=None,
+              help="Where a detached daemon's output goes (set by --detach; for daemon.json).")
 @_option("--log-level", default="info",
          type=click.Choice(["debug", "info", "warning", "error"]), help="Log verbosity.")
 def command(**params: Any) -> None:
@@ -117,12 +142,15 @@ def command(**params: Any) -> None:
     url = display_url(host, port)
     if params["detach"]:
         sock.close()  # the daemon binds it again
-        detach(_child_args(params), ",".join(api_keys(params)) or None, paths, url)
+        detach([*_child_args(params), "--log-file", str(paths.log_file)],
+               ",".join(api_keys(params)) or None, paths, url,
+               admin_key=",".join(api_keys(params, "admin_key")) or None)
         return
     _setup_logging(params["log_level"])
     paths.write_pid(os.getpid())
     paths.write_daemon_info({"url": url, "pid": os.getpid(), "started": time.time(),
-                             "model": config.model, "log": None})
+                             "model": config.model or DEFAULT_MODEL_NAME,
+                             "log": params["log_file"]})
     try:
         from agentd.server.serve import serve
 
@@ -145,6 +173,7 @@ def engine_config(params: dict[str, Any]) -> EngineConfig:
             max_num_batched_tokens=params["max_num_batched_tokens"],
             max_model_len=params["max_model_len"],
             enable_prefix_caching=not params["no_prefix_caching"],
+            jump_forward=not params["no_jump_forward"],
             max_pinned_fraction=params["max_pinned_fraction"],
             attention_backend=params["attention_backend"], cpu_linear=params["cpu_linear"],
             seed=params["seed"],
@@ -162,20 +191,31 @@ def server_settings(params: dict[str, Any], state_dir: Path | None = None) -> An
     try:
         return ServerSettings(
             api_keys=api_keys(params),
+            admin_keys=api_keys(params, "admin_key"),
+            metrics_public=params["metrics_public"],
             max_queue=params["max_queue"],
             shared_cache=params["shared_cache"],
             max_request_body_bytes=parse_size(params["max_request_body"]),
             shutdown_grace_s=parse_duration(params["shutdown_grace"]),
             state_dir=state_dir,
+            bind_host=params["host"],
+            allowed_hosts=_list(params["allowed_hosts"]),
+            cors_origins=_list(params["cors_origin"]),
+            read_timeout_s=parse_duration(params["read_timeout"]),
         )
     except ValueError as exc:
         raise click.ClickException(f"{exc} (see `agentd start --help`)") from None
 
 
-def api_keys(params: dict[str, Any]) -> tuple[str, ...]:
+def api_keys(params: dict[str, Any], option: str = "api_key") -> tuple[str, ...]:
     """Every key given, whether repeated or comma-separated (``AGENTD_API_KEY=k1,k2`` too)."""
-    return tuple(key.strip() for value in params["api_key"] or () for key in value.split(",")
-                 if key.strip())
+    return _list(params[option])
+
+
+def _list(values: tuple[str, ...] | None) -> tuple[str, ...]:
+    """A repeatable option's values, each of which may be a comma-separated list."""
+    return tuple(item.strip() for value in values or () for item in value.split(",")
+                 if item.strip())
 
 
 def _option_names(message: str) -> str:
@@ -202,12 +242,13 @@ def check_model(model: str | None) -> None:
 
 
 def _child_args(params: dict[str, Any]) -> list[str]:
-    """The options of a detached daemon: this command's, without --detach or the API key
-    (that travels in the environment, out of `ps`)."""
+    """The options of a detached daemon: this command's, without --detach or the API and admin
+    keys (they travel in the environment, out of `ps`)."""
     args: list[str] = []
     for param in command.params:
         name = param.name
-        if name in ("detach", "api_key") or not isinstance(param, click.Option):
+        if name in ("detach", "api_key", "admin_key", "log_file") or \
+                not isinstance(param, click.Option):
             continue
         value = params[name]
         if name == "state_dir":

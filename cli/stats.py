@@ -14,7 +14,7 @@ from typing import Any
 import click
 
 from agentd.cli._client import DaemonClient, url_option
-from agentd.cli.pins import short_duration
+from agentd.cli.pins import compact_table, short_duration
 from agentd.cli.status import format_duration
 
 NUM_NEAR_MISSES_SHOWN = 5
@@ -102,14 +102,12 @@ def _ttft(ttft: dict[str, dict[str, Any]]) -> Any:
 
 
 def _pins(pins: list[dict[str, Any]]) -> Any:
-    from rich.table import Table
 
-    table = Table(title="pins", title_justify="left", caption_justify="left",
-                  caption="hits: requests that matched a whole pin; tokens saved: prompt tokens "
-                          "served from its KV instead of prefilled")
-    for column in ("pin", "tokens", "blocks", "hits", "tokens saved", "near misses", "TTL",
-                   "idle"):
-        table.add_column(column, justify="left" if column == "pin" else "right", no_wrap=True)
+    table = compact_table("pins", "pin", ["tokens", "blocks", "hits", "cached\ntokens",
+                                          "near\nmisses", "TTL", "idle"],
+                          caption_justify="left",
+                          caption="hits: requests that matched a whole pin; cached tokens: "
+                                  "prompt tokens served from its KV instead of prefilled")
     for p in pins:
         table.add_row(p["name"], str(p["num_tokens"]), str(p["num_blocks"]), str(p["hits"]),
                       str(p["tokens_served"]), str(p["near_misses"]), short_duration(p.get("ttl")),
@@ -150,7 +148,10 @@ def _restore(report: list[dict[str, Any]]) -> Any:
             table.add_row(entry["name"], f"[red]failed: {escape(entry['error'])}[/]", "", "", "")
             continue
         prefill = entry.get("prefill_s")
-        table.add_row(entry["name"], entry["source"], str(entry["num_tokens"]),
+        source = entry["source"]
+        if entry.get("snapshot_error"):  # the snapshot was there but unusable
+            source += f" (snapshot unusable: {escape(entry['snapshot_error'])})"
+        table.add_row(entry["name"], source, str(entry["num_tokens"]),
                       f"{entry['elapsed_s']:.3f} s", "-" if prefill is None else f"{prefill:.3f} s")
     return table
 

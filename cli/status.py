@@ -35,7 +35,11 @@ def command(ctx: click.Context, url: str, as_json: bool) -> None:
         ctx.exit(NOT_RUNNING)
     report: dict[str, Any] = {"running": True, "url": client.url, **health}
     if health.get("status") == "ready":
-        report["stats"] = client.json("GET", "/v1/stats")
+        stats = client.request("GET", "/v1/stats")
+        if stats.status_code == 403:  # a tenant's key on a multi-tenant daemon: no pool figures
+            report["stats_note"] = "pool and request figures need an admin key"
+        else:
+            report["stats"] = client.json("GET", "/v1/stats")
         report["models"] = [m["id"] for m in client.json("GET", "/v1/models")["data"]]
     if as_json:
         click.echo(json.dumps(report, indent=2))
@@ -58,6 +62,10 @@ def _print_table(report: dict[str, Any]) -> None:
     stats = report.get("stats")
     if stats is not None:
         _stats_rows(table, stats)
+    elif report.get("models"):
+        table.add_row("model", ", ".join(report["models"]))
+    if report.get("stats_note"):
+        table.add_row("note", report["stats_note"])
     Console().print(table)
 
 
@@ -70,6 +78,8 @@ def _stats_rows(table: Any, s: dict[str, Any]) -> None:
         for kind, choice in (compute.get("kernels") or {}).items():
             table.add_row("", f"{kind}: {choice}")
     table.add_row("uptime", format_duration(s["uptime_s"]))
+    if s.get("num_threads") is not None:
+        table.add_row("threads", threads_note(s["num_threads"], s["num_threads_default"]))
     table.add_row("pool", f"{s['num_blocks_used']} / {total} blocks in use "
                           f"({100 * s['kv_cache_usage']:.1f}%; {s['num_blocks_pinned']} of them "
                           f"pinned), {s['num_blocks_cached']} cached, {s['num_blocks_free']} free")
@@ -83,6 +93,14 @@ def _stats_rows(table: Any, s: dict[str, Any]) -> None:
     table.add_row("prefix cache", f"{hits} of {queries} prompt tokens hit{rate}")
     table.add_row("tokens", f"{s['prompt_tokens_total']} prompt, "
                             f"{s['generation_tokens_total']} generated")
+
+
+def threads_note(num_threads: int, is_default: bool) -> str:
+    """How many CPU threads the daemon computes with, and what that means for a second one."""
+    if not is_default:
+        return f"{num_threads} (--num-threads)"
+    return (f"{num_threads} (the default: all cores; every daemon on this host takes as many, "
+            "so give several daemons a share each with --num-threads)")
 
 
 def format_duration(seconds: float) -> str:

@@ -1,7 +1,8 @@
 """``agentd stop``: ask the daemon to shut down gracefully and wait until it has exited.
 
-Invariants: the daemon is asked over HTTP first (``POST /admin/shutdown``: in-flight requests get
-its grace period, then are aborted); signals are only a fallback, for a daemon on this machine
+Invariants: the daemon is asked over HTTP first (``POST /admin/shutdown`` with the local token
+from the state dir, and ``$AGENTD_API_KEY``: in-flight requests get its grace period, then are
+aborted); signals are only a fallback, for a daemon on this machine
 that does not answer or does not exit in time (SIGTERM, then SIGKILL). On success no process is
 left and the state dir holds no pid file for it.
 """
@@ -17,6 +18,7 @@ import click
 
 from agentd.cli._client import DaemonClient, DaemonUnreachable, url_option
 from agentd.cli._state import StatePaths, pid_alive, state_dir_option
+from agentd.server.local_token import TOKEN_HEADER, read_token
 
 _KILL_WAIT_S = 5.0
 
@@ -40,7 +42,8 @@ def command(url: str, state_dir: str | None, timeout: float) -> None:
                    f"{paths.pid_file}", err=True)
         _terminate(pid, paths)
         return
-    client.json("POST", "/admin/shutdown")
+    token = read_token(paths.root)  # what a daemon without keys asks of the caller
+    client.json("POST", "/admin/shutdown", headers={TOKEN_HEADER: token} if token else None)
     local = _is_loopback(client.url) and isinstance(pid, int)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -14,6 +14,7 @@ in a thread instead, and ``poll`` waits for a condition.
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -122,7 +123,7 @@ def tiny_config(model_type: str, vocab_size: int = 49152):
 def build_tiny_model(root: Path, model_type: str, tokenizer_dir: Path, seed: int = 0) -> Path:
     import transformers
 
-    path = root / f"tiny-{model_type}"
+    path = root / (f"tiny-{model_type}" + (f"-seed{seed}" if seed else ""))
     if path.exists():
         return path
     torch.manual_seed(seed)
@@ -157,8 +158,9 @@ def chat_templates() -> dict[str, str]:
 def tiny_model_factory(tmp_path_factory, default_model_dir):
     root = tmp_path_factory.mktemp("tiny-models")
 
-    def make(model_type: str, template: str | None = None) -> Path:
-        path = build_tiny_model(root, model_type, default_model_dir)
+    def make(model_type: str, template: str | None = None, seed: int = 0) -> Path:
+        """``seed``: another draw of the same shapes (other weights, same config)."""
+        path = build_tiny_model(root, model_type, default_model_dir, seed)
         return path if template is None else with_chat_template(path, template)
 
     return make
@@ -179,6 +181,45 @@ def _one_torch_thread_for_tiny_models(request) -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(num_threads)
+
+
+# oneDNN's bfloat16 paths need AVX512-BW/VL/DQ or AVX-NE-CONVERT, which it reads from the CPU
+# itself (no environment variable hides them). This makes the daemon's two probes answer as they
+# do on an AVX2-only CPU: packing a bf16 linear raises torch's own error, and there are no bf16
+# GEMMs. AGENTD_TEST_CPU_WITHOUT_BF16=1 applies it to a whole pytest run.
+NO_BF16_ERROR = ("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx_ne_convert "
+                 "or avx512bw, avx512vl and avx512dq")
+
+
+def simulate_cpu_without_bf16(setattr_: Callable[[Any, str, Any], None] = setattr) -> None:
+    from agentd.kernels import _common
+
+    mkldnn = torch.ops.mkldnn
+    reorder = mkldnn._reorder_linear_weight
+
+    def reorder_without_bf16(weight: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if weight.dtype == torch.bfloat16:
+            raise RuntimeError(NO_BF16_ERROR)
+        return reorder(weight, *args, **kwargs)
+
+    setattr_(mkldnn, "_reorder_linear_weight", reorder_without_bf16)
+    setattr_(mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    _common._bf16_gemm.cache_clear()
+
+
+if os.environ.get("AGENTD_TEST_CPU_WITHOUT_BF16") == "1":
+    simulate_cpu_without_bf16()
+
+
+@pytest.fixture
+def cpu_without_bf16(monkeypatch) -> Iterator[None]:
+    """Within one test, the daemon's oneDNN probes answer as on an AVX2-only CPU."""
+    from agentd.kernels import _common
+
+    simulate_cpu_without_bf16(monkeypatch.setattr)
+    yield
+    monkeypatch.undo()
+    _common._bf16_gemm.cache_clear()
 
 
 class DaemonProcess(SpawnedDaemon):

@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 
 from agentd.bench.rss import read_status_bytes
+from agentd.server.local_token import TOKEN_HEADER, read_token
 
 
 class DaemonNotReady(RuntimeError):
@@ -103,7 +104,9 @@ class SpawnedDaemon:
             return None
         if self.process.poll() is None:
             try:
-                httpx.post(f"{self.url}/admin/shutdown", timeout=5)
+                token = read_token(self.state_dir) or ""
+                httpx.post(f"{self.url}/admin/shutdown", headers={TOKEN_HEADER: token},
+                           timeout=5)
                 self.process.wait(60)
             except (httpx.HTTPError, subprocess.TimeoutExpired):
                 self.process.kill()

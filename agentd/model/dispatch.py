@@ -24,7 +24,12 @@ import torch
 from torch import nn
 
 from agentd.model.isa import CpuIsa
-from agentd.model.llama import PackedLinear, SharedWeightLinear, shared_parameter_ids
+from agentd.model.llama import (
+    PackedLinear,
+    SharedWeightLinear,
+    packing_unsupported,
+    shared_parameter_ids,
+)
 from agentd.model.quant import IntGroups, LowPrecisionLinear, make_linear, quantize_int4
 
 logger = logging.getLogger("agentd")
@@ -139,12 +144,12 @@ def calibrate(model: nn.Module, isa: CpuIsa, max_rows: int) -> dict[str, KernelC
     return choices
 
 
-def _dense_twin(linear: nn.Linear, shared: set[int]) -> nn.Module:
+def _dense_twin(linear: nn.Linear, shared: set[int], packable: bool) -> nn.Module:
     """The layer as the exact mode runs it (oneDNN-packed, or on the shared tensor of a tied
     head), without its bias (the low-precision layer adds it)."""
     bare = nn.Linear(linear.in_features, linear.out_features, bias=False, device="meta")
     bare.weight = linear.weight
-    if not torch.backends.mkldnn.is_available():
+    if not packable:
         return bare
     return SharedWeightLinear(bare) if id(linear.weight) in shared else PackedLinear(bare)
 
@@ -159,6 +164,7 @@ def install(model: nn.Module, weights: str, int4_groups: dict[str, IntGroups], i
              for prefix, parent in model.named_modules()
              for name, child in parent.named_children() if type(child) is nn.Linear]
     shared = shared_parameter_ids(model)
+    packable = bool(slots) and packing_unsupported(getattr(*slots[0][:2]).weight.dtype) is None
     num_swapped = 0
     for parent, name, path in slots:
         linear = getattr(parent, name)
@@ -173,7 +179,7 @@ def install(model: nn.Module, weights: str, int4_groups: dict[str, IntGroups], i
         if layer is None:
             continue
         if keep_dense or id(linear.weight) in shared:  # a tied head's dense weight is kept anyway
-            layer.keep_dense_twin(_dense_twin(linear, shared))
+            layer.keep_dense_twin(_dense_twin(linear, shared, packable))
         setattr(parent, name, layer)
         num_swapped += 1
     return num_swapped

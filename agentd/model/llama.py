@@ -202,6 +202,32 @@ def shared_parameter_ids(model: nn.Module) -> set[int]:
             for p in m.parameters(recurse=False)}
 
 
+def packing_unsupported(dtype: torch.dtype, linear: nn.Linear | None = None) -> str | None:
+    """Why oneDNN cannot pack ``dtype`` linear layers on this CPU, or None when it can: packs
+    ``linear`` (a small random one by default) and checks it against ``F.linear``.
+
+    The one probe for this path, asked by :func:`pack_linears` and by the tests. It runs the op
+    rather than reading CPU flags because the op is internal to torch and its requirements are
+    oneDNN's own: bfloat16 needs AVX512-BW/VL/DQ or AVX-NE-CONVERT, which oneDNN reads from the
+    CPU itself, so no environment variable hides it.
+    """
+    if not torch.backends.mkldnn.is_available():
+        return "this torch build has no oneDNN"
+    if linear is None:
+        linear = nn.Linear(64, 32).to(dtype)
+    try:
+        with torch.no_grad():
+            probe = torch.randn(3, linear.in_features, dtype=dtype)
+            expected = F.linear(probe, linear.weight, linear.bias)
+            got = PackedLinear(linear)(probe)
+    except (RuntimeError, AttributeError, NotImplementedError) as exc:
+        return f"oneDNN cannot pack {dtype} linear layers on this CPU: {exc}"
+    tolerance = 1e-4 if dtype == torch.float32 else 5e-2
+    if not torch.allclose(got.float(), expected.float(), atol=tolerance, rtol=tolerance):
+        return f"oneDNN's packed {dtype} linear disagrees with F.linear on this CPU"
+    return None
+
+
 def pack_linears(model: nn.Module) -> int:
     """Swap every ``nn.Linear`` of a CPU fp32/bf16 model for a :class:`PackedLinear`, after a
     self-check against ``F.linear``; returns how many were packed (0 when oneDNN is missing or
@@ -218,16 +244,9 @@ def pack_linears(model: nn.Module) -> int:
                                                                        torch.bfloat16):
         return 0
     shared = shared_parameter_ids(model)
-    try:  # the op is internal to torch: check it before trusting it
-        probe = torch.randn(3, first.in_features, dtype=first.weight.dtype)
-        expected = F.linear(probe, first.weight, first.bias)
-        got = PackedLinear(first)(probe)
-        tolerance = 1e-4 if first.weight.dtype == torch.float32 else 5e-2
-        if not torch.allclose(got.float(), expected.float(), atol=tolerance, rtol=tolerance):
-            return 0
-    except (RuntimeError, AttributeError, NotImplementedError):
+    if packing_unsupported(first.weight.dtype, first) is not None:
         return 0
-    del first, probe, expected, got
+    del first
     num_packed = 0
     for parent, name in slots:  # one at a time, so each dense weight is freed as it is packed
         child = getattr(parent, name)

@@ -16,6 +16,7 @@ from functools import partial
 from typing import TYPE_CHECKING
 
 from litestar import Litestar
+from litestar.config.cors import CORSConfig
 from litestar.datastructures import State
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.plugins import ScalarRenderPlugin
@@ -23,10 +24,12 @@ from litestar.openapi.plugins import ScalarRenderPlugin
 from agentd import __version__
 from agentd.config import EngineConfig
 from agentd.server.errors import EXCEPTION_HANDLERS
+from agentd.server.local_token import TOKEN_HEADER
 from agentd.server.routes_admin import AdminController, health, metrics
 from agentd.server.routes_openai import OpenAIController
 from agentd.server.routes_pins import PinsController
 from agentd.server.state import ServerSettings, ServerState, count_arrivals
+from agentd.server.web_guard import web_guard
 
 if TYPE_CHECKING:
     from agentd.async_engine import AsyncEngine
@@ -68,7 +71,9 @@ def create_app(config: EngineConfig, *, engine: AsyncEngine | None = None,
 
     return Litestar(
         route_handlers=[OpenAIController, PinsController, AdminController, health, metrics],
-        middleware=[partial(count_arrivals, server=server)],
+        # web_guard first: a request arrives (count_arrivals) once its body is whole
+        middleware=[partial(web_guard, server=server), partial(count_arrivals, server=server)],
+        cors_config=_cors(settings.cors_origins),
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=[lifespan],
         state=State({"agentd": server}),
@@ -80,3 +85,12 @@ def create_app(config: EngineConfig, *, engine: AsyncEngine | None = None,
             render_plugins=[ScalarRenderPlugin()],
         ),
     )
+
+
+def _cors(origins: tuple[str, ...]) -> CORSConfig | None:
+    """Pages of these origins may call the API (preflights answered); none by default."""
+    if not origins:
+        return None
+    return CORSConfig(allow_origins=list(origins), allow_methods=["GET", "POST", "DELETE"],
+                      allow_headers=["authorization", "content-type", TOKEN_HEADER],
+                      expose_headers=["retry-after"], max_age=600)

@@ -3,7 +3,8 @@
 
 Invariant: no exception reaches the client as Litestar's own error body or a traceback. Body
 decoding errors (malformed JSON, invalid UTF-8, wrong field types) are 400 and name the field; a
-prompt over the context is 400 ``context_length_exceeded``; a body over the size limit is 413;
+prompt over the context is 400 ``context_length_exceeded``; JSON nested too deeply to decode is
+400; a body over the size limit is 413;
 unknown routes are 404; a full queue is 503 with ``Retry-After``; anything unexpected is a 500
 that is also logged.
 """
@@ -99,6 +100,13 @@ def _http_error(_: Request, exc: HTTPException) -> Response[ErrorResponse]:
     return error_response(APIError(status, str(message), headers=headers))
 
 
+def _too_deep(_: Request, exc: RecursionError) -> Response[ErrorResponse]:
+    """JSON nested past Python's recursion limit (msgspec decodes, and our canonicalising of
+    tool schemas walks, recursively): the client's body, so a 400, not a crash."""
+    return error_response(APIError(400, "the request body nests too deeply (JSON nested "
+                                   f"hundreds of levels deep is refused): {exc}"))
+
+
 def _internal_error(request: Request, exc: Exception) -> Response[ErrorResponse]:
     logger.exception("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
     return error_response(APIError(500, f"internal server error: {type(exc).__name__}: {exc}"))
@@ -109,5 +117,6 @@ EXCEPTION_HANDLERS: dict[type[Exception], Any] = {
     RequestValidationError: _validation_error,
     ValidationException: _litestar_validation,
     HTTPException: _http_error,
+    RecursionError: _too_deep,
     Exception: _internal_error,
 }

@@ -84,7 +84,7 @@ class _EngineCollector:
 
 
 def _pin_families(model_name: str, summary: PinSummary) -> Iterator[Metric]:
-    labels = ["model_name", "pin"]
+    labels = ["model_name", "pin", "owner"]  # owner: the pin's tenant id, "" server-wide
     hits = CounterMetricFamily("agentd:pin_hits", "Requests whose prompt matched a whole pin.",
                                labels=labels)
     served = CounterMetricFamily("agentd:pin_tokens_served",
@@ -92,14 +92,15 @@ def _pin_families(model_name: str, summary: PinSummary) -> Iterator[Metric]:
                                  labels=labels)
     blocks = GaugeMetricFamily("agentd:pin_blocks", "KV blocks held by a pin.", labels=labels)
     for pin in summary.pins:
-        hits.add_metric([model_name, pin.name], pin.num_hits)
-        served.add_metric([model_name, pin.name], pin.num_tokens_served)
-        blocks.add_metric([model_name, pin.name], pin.num_blocks)
+        values = [model_name, pin.name, pin.owner or ""]
+        hits.add_metric(values, pin.num_hits)
+        served.add_metric(values, pin.num_tokens_served)
+        blocks.add_metric(values, pin.num_blocks)
     near = CounterMetricFamily(
         "agentd:near_misses", "Requests that diverged from a pin before its end, by guessed cause.",
         labels=[*labels, "cause"])
-    for pin_name, cause, count in summary.near_miss_counts:
-        near.add_metric([model_name, pin_name, cause], count)
+    for c in summary.near_miss_counts:
+        near.add_metric([model_name, c.pin, c.owner or "", c.cause], c.count)
     yield from (hits, served, blocks, near)
 
 

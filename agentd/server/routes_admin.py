@@ -17,8 +17,9 @@ from litestar.datastructures import State
 
 from agentd import __version__
 from agentd.server.metrics import CONTENT_TYPE
-from agentd.server.state import require_api_key, server_of
+from agentd.server.state import require_metrics_access, require_operator, server_of
 from agentd.server.stats import stats_report
+from agentd.server.web_guard import require_local_token
 
 
 @get("/health", summary="Readiness: 200 when the model is loaded, 503 before",
@@ -34,14 +35,22 @@ def health(state: State) -> Response[dict[str, Any]]:
     return Response(body, status_code=200 if server.status == "ready" else 503)
 
 
-@get("/metrics", summary="Prometheus metrics (vLLM names)", tags=["Admin"], sync_to_thread=False)
+def _num_threads() -> int:
+    """torch's CPU threads in this daemon (``--num-threads``; default: every core)."""
+    import torch  # loaded with the engine already
+
+    return torch.get_num_threads()
+
+
+@get("/metrics", summary="Prometheus metrics (vLLM names)", tags=["Admin"], sync_to_thread=False,
+     guards=[require_metrics_access])
 def metrics(state: State) -> Response[bytes]:
     server = server_of(state)
     return Response(server.metrics.render(), media_type=CONTENT_TYPE)
 
 
 class AdminController(Controller):
-    guards = [require_api_key]
+    guards = [require_operator]
     tags = ["Admin"]
 
     @get("/v1/stats", summary="Engine, pool, cache-hit, TTFT and pin statistics",
@@ -58,6 +67,8 @@ class AdminController(Controller):
             "uptime_s": round(server.uptime_s, 3),
             "pid": server.pid,
             "version": __version__,
+            "num_threads": _num_threads(),
+            "num_threads_default": server.config.num_threads is None,
             **stats_report(engine.stats(), engine.pin_summary(), server.metrics.recent,
                            pins.restore_report, pins.last_persist_error),
         }
@@ -71,9 +82,10 @@ class AdminController(Controller):
         return dataclasses.asdict(await engine.check_integrity())
 
     @post("/admin/shutdown", status_code=202, summary="Stop the daemon gracefully",
-          sync_to_thread=False)
+          sync_to_thread=False, guards=[require_local_token])
     def shutdown(self, state: State) -> dict[str, Any]:
-        """In-flight requests get the grace period to finish; the rest are aborted."""
+        """In-flight requests get the grace period to finish; the rest are aborted. Without API
+        keys the caller must send the local token from the state dir (``agentd stop`` does)."""
         server = server_of(state)
         server.begin_shutdown()
         return {"status": "stopping", "pid": server.pid,

@@ -1,13 +1,15 @@
 """The OpenAI-compatible routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``.
 
 Invariant: handlers only validate, call the engine client and shape the reply; everything about
-prompts and output parsing lives in ``serving_chat`` / ``serving_completion``. A non-streamed
-request whose client disconnects is aborted like a streamed one. Requests are submitted before
-the reply starts, so a full queue is a 503 with ``Retry-After`` for streams too.
+prompts and output parsing lives in ``serving_chat`` / ``serving_completion``, and runs in a
+worker thread (``intake``: a long prompt never stalls the event loop). A non-streamed request
+whose client disconnects is aborted like a streamed one. Requests are submitted before the
+reply starts, so a full queue is a 503 with ``Retry-After`` for streams too.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from functools import partial
 from typing import Annotated, Any
@@ -19,6 +21,7 @@ from litestar.params import Body
 from litestar.response import Stream
 
 from agentd.server.constraints import compile_constraint
+from agentd.server.intake import check_chat_size, check_completion_size
 from agentd.server.protocol import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -62,7 +65,9 @@ class OpenAIController(Controller):
         server = server_of(state)
         engine = server.require_engine()
         model = server.check_model(data.model)
-        plan = plan_chat(data, engine, model, int(time.time()))
+        server.unknown_fields.note(await request.body(), ChatCompletionRequest, request.url.path)
+        check_chat_size(data, engine.tokenizer, engine.max_model_len)
+        plan = await asyncio.to_thread(plan_chat, data, engine, model, int(time.time()))
         grammar = await compile_constraint(engine, plan.constraint)
         on_finish = partial(server.metrics.observe_finished, model)
         deltas = submit(engine, plan.prompt_token_ids, plan.params, plan.request_id,
@@ -80,7 +85,9 @@ class OpenAIController(Controller):
         server = server_of(state)
         engine = server.require_engine()
         model = server.check_model(data.model)
-        plan = plan_completion(data, engine, model, int(time.time()))
+        server.unknown_fields.note(await request.body(), CompletionRequest, request.url.path)
+        check_completion_size(data, engine.tokenizer, engine.max_model_len)
+        plan = await asyncio.to_thread(plan_completion, data, engine, model, int(time.time()))
         grammar = await compile_constraint(engine, plan.constraint)
         on_finish = partial(server.metrics.observe_finished, model)
         deltas = submit(engine, plan.prompt_token_ids, plan.params, plan.request_id,

@@ -1,6 +1,9 @@
 """Pins over HTTP: ``POST /v1/pins``, ``GET /v1/pins``, ``GET|DELETE /v1/pins/{name}``.
 
-Invariants: a pin's tools are decoded through the same ``Tool`` Struct as a chat request's, so
+Invariants: a key reaches only its own tenant's pins (its name space; they are hashed with its
+cache salt) — with one tenant, that is every pin — and an operator reaches every tenant's pins
+(``?owner=<tenant id>`` names another tenant's); a pin name matches ``PIN_NAME`` in full; a
+pin's tools are decoded through the same ``Tool`` Struct as a chat request's, so
 the pin renders exactly the tokens real requests with those tools render; a refused pin (bad
 body or longer than the context 400, name taken 409, over the pin budget 409) changes nothing
 and answers the OpenAI error envelope; ``POST`` answers only once the prefix is prefilled and
@@ -9,29 +12,29 @@ its blocks are pinned.
 
 from __future__ import annotations
 
-import re
-from typing import Annotated
+from typing import Annotated, Any
 
 import msgspec
-from litestar import Controller, delete, get, post
+from litestar import Controller, Request, delete, get, post
 from litestar.datastructures import State
 from litestar.openapi import ResponseSpec
-from litestar.params import Body, FromPath
+from litestar.params import Body, FromPath, QueryParameter
 
-from agentd.cache import PinBudgetError, PinError, PinExistsError, PinNotFoundError
+from agentd.cache import PinBudgetError, PinError, PinExistsError, PinKey, PinNotFoundError
 from agentd.config import parse_duration
 from agentd.pin_service import PinSpec, PinTooLongError
+from agentd.pin_store import PIN_NAME
 from agentd.server.errors import APIError
 from agentd.server.protocol import ErrorResponse, Tool, _check_tools
-from agentd.server.state import require_api_key, server_of
+from agentd.server.state import cache_tenant, is_operator, require_api_key, server_of
 
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 _CODES = {PinExistsError: "pin_exists", PinNotFoundError: "pin_not_found",
           PinBudgetError: "pin_budget_exceeded", PinTooLongError: "context_length_exceeded"}
 _ERRORS = {status: ResponseSpec(data_container=ErrorResponse, description=description)
            for status, description in (
                (400, "Bad request (OpenAI error envelope)"), (401, "Missing or wrong API key"),
-               (404, "No such pin"), (409, "Name taken, or over the pin budget"),
+               (403, "Another tenant's pins need an admin key"), (404, "No such pin"),
+               (409, "Name taken, or over the pin budget"),
                (503, "Model loading or server shutting down"))}
 
 
@@ -46,6 +49,7 @@ class PinCreateRequest(msgspec.Struct, kw_only=True):
 
 class PinInfo(msgspec.Struct, kw_only=True):
     name: str
+    owner: str | None = None  # the tenant id whose pin it is; None: server-wide
     num_tokens: int  # every token the pin serves, its tail's included
     num_blocks: int  # blocks it holds: full ones, then the partial tail block if any
     tail_tokens: int = 0  # tokens past its last full block, served from its tail block
@@ -76,6 +80,8 @@ class PinDeleted(msgspec.Struct, kw_only=True):
 
 
 CreateBody = Annotated[PinCreateRequest, Body(description="The prefix to pin.")]
+OwnerParam = Annotated[str | None, QueryParameter(
+    name="owner", description="Admin keys only: the tenant id whose pin this is.")]
 
 
 class PinsController(Controller):
@@ -85,9 +91,10 @@ class PinsController(Controller):
 
     @post("/", status_code=201, summary="Pin a system prompt (+ tools): prefill it and hold it",
           responses=_ERRORS)
-    async def create(self, data: CreateBody, state: State) -> PinCreated:
+    async def create(self, data: CreateBody, state: State,
+                     request: Request[Any, Any, Any]) -> PinCreated:
         pins = server_of(state).require_pins()
-        spec = _to_spec(data)
+        spec = _to_spec(data, cache_tenant(request))
         try:
             info = await pins.add(spec)
         except PinError as exc:
@@ -95,31 +102,46 @@ class PinsController(Controller):
         return PinCreated(**info)
 
     @get("/", summary="List pins", responses=_ERRORS)
-    async def list_pins(self, state: State) -> PinList:
+    async def list_pins(self, state: State, request: Request[Any, Any, Any]) -> PinList:
+        """A tenant's own pins; an admin key's list holds every tenant's."""
         pins = server_of(state).require_pins()
-        return PinList(data=[PinInfo(**info) for info in await pins.list()])
+        listed = await pins.list(cache_tenant(request), everyone=is_operator(request))
+        return PinList(data=[PinInfo(**info) for info in listed])
 
     @get("/{name:str}", summary="One pin", responses=_ERRORS)
-    async def get_pin(self, name: FromPath[str], state: State) -> PinInfo:
+    async def get_pin(self, name: FromPath[str], state: State, request: Request[Any, Any, Any],
+                      owner: OwnerParam = None) -> PinInfo:
         pins = server_of(state).require_pins()
         try:
-            return PinInfo(**await pins.get(name))
+            return PinInfo(**await pins.get(_key(request, name, owner)))
         except PinError as exc:
             raise _pin_error(exc) from exc
 
     @delete("/{name:str}", status_code=200, summary="Unpin: its blocks become ordinary LRU",
             responses=_ERRORS)
-    async def delete_pin(self, name: FromPath[str], state: State) -> PinDeleted:
+    async def delete_pin(self, name: FromPath[str], state: State,
+                         request: Request[Any, Any, Any], owner: OwnerParam = None) -> PinDeleted:
         pins = server_of(state).require_pins()
         try:
-            await pins.remove(name)
+            await pins.remove(_key(request, name, owner))
         except PinError as exc:
             raise _pin_error(exc) from exc
         return PinDeleted(name=name)
 
 
-def _to_spec(data: PinCreateRequest) -> PinSpec:
-    if not _NAME.match(data.name):
+def _key(request: Request[Any, Any, Any], name: str, owner: str | None) -> PinKey:
+    """The pin a request names: in its own tenant's name space, or (admin keys) ``owner``'s."""
+    own = cache_tenant(request)
+    if owner is None or owner == own:
+        return PinKey(own, name)
+    if not is_operator(request):
+        raise APIError(403, "only an admin key may name another tenant's pin (owner)",
+                       param="owner", code="permission_denied")
+    return PinKey(owner or None, name)  # owner= (empty): the server-wide pin
+
+
+def _to_spec(data: PinCreateRequest, owner: str | None) -> PinSpec:
+    if not PIN_NAME.fullmatch(data.name):
         raise APIError(400, "name must be 1-64 characters of a-z, A-Z, 0-9, '.', '_' or '-', "
                        f"starting with a letter or digit; got {data.name!r}", param="name")
     if not data.system.strip():
@@ -128,7 +150,7 @@ def _to_spec(data: PinCreateRequest) -> PinSpec:
     if data.tools:
         _check_tools(data.tools)
         tools = msgspec.to_builtins(data.tools)  # exactly what a chat request's tools become
-    return PinSpec(data.name, data.system, tools, _ttl_s(data.ttl))
+    return PinSpec(data.name, data.system, tools, _ttl_s(data.ttl), owner=owner)
 
 
 def _ttl_s(ttl: float | str | None) -> float | None:

@@ -4,21 +4,28 @@ Invariants: the listening socket exists before the model starts loading, so a po
 at once and ``/health`` answers (503) during the load; the return value is the process's exit
 status: 0 after ``POST /admin/shutdown`` or SIGINT/SIGTERM, 1 when the model failed to load.
 Stopping — by ``POST /admin/shutdown`` or a signal — gives in-flight requests
-``shutdown_grace_s`` to finish, then aborts them, each with a reply.
+``shutdown_grace_s`` to finish, then aborts them, each with a reply. A connection that has not
+sent a request's whole headers within ``read_timeout_s`` of its first byte (or of connecting) is
+answered 408 and closed, so clients that trickle headers cannot hold connections forever (the
+body's own timeout is ``agentd.server.web_guard``'s).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import socket
 from collections.abc import Callable
 from types import FrameType
 
+import h11
+import msgspec
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from agentd.config import EngineConfig
 from agentd.server.app import create_app
+from agentd.server.protocol import error_body
 from agentd.server.state import ServerSettings
 
 logger = logging.getLogger("agentd.server")
@@ -58,6 +65,53 @@ class _NoDelayH11(H11Protocol):
         super().connection_made(transport)
 
 
+class _TimedH11(_NoDelayH11):
+    """Closes a connection (after a 408) whose request headers are not whole within
+    ``header_timeout_s`` of its first byte, or of connecting when it sends nothing. uvicorn
+    itself times out only idle kept-alive connections, and any byte restarts that clock."""
+
+    header_timeout_s = 30.0
+    _header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:  # type: ignore[no-untyped-def]
+        super().connection_made(transport)
+        self._arm_header_timer()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is h11.IDLE:
+            self._arm_header_timer()  # a request has begun: its headers have a deadline
+        elif self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+        super().connection_lost(exc)
+
+    def _arm_header_timer(self) -> None:
+        if self._header_timer is None:
+            self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_late)
+
+    def _headers_late(self) -> None:
+        self._header_timer = None
+        if self.conn.their_state is not h11.IDLE or self.transport.is_closing():
+            return
+        body = msgspec.json.encode(error_body(
+            f"the request headers did not arrive within {self.header_timeout_s:g} s "
+            "(--read-timeout)", code="request_timeout"))
+        self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json"
+                             b"\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s"
+                             % (len(body), body))
+        self.transport.close()
+
+
+def http_protocol(header_timeout_s: float) -> type[H11Protocol]:
+    """uvicorn's HTTP/1.1 protocol with TCP_NODELAY and a header read timeout."""
+    return type("AgentdH11", (_TimedH11,), {"header_timeout_s": header_timeout_s})
+
+
 class _Server(uvicorn.Server):
     """uvicorn, with SIGINT/SIGTERM taking the same graceful path as ``POST /admin/shutdown``
     (requests still running near the end of the grace period are aborted with a reply)."""
@@ -87,8 +141,10 @@ def serve(config: EngineConfig, settings: ServerSettings, sock: socket.socket, *
     uv_config = uvicorn.Config(
         app, log_level=log_level, access_log=access_log, lifespan="on",
         timeout_graceful_shutdown=max(int(round(settings.shutdown_grace_s)), 1),
-        timeout_keep_alive=5, http=_NoDelayH11,
+        timeout_keep_alive=5, http=http_protocol(settings.read_timeout_s),
     )
+    if access_log:  # after uvicorn.Config, which configures uvicorn's loggers
+        logging.getLogger("uvicorn.access").addFilter(_no_health_polls_while_loading)
     server = _Server(uv_config, on_signal=app.state.agentd.begin_shutdown)
     exit_status.server = server
     host, port = sock.getsockname()[:2]
@@ -97,6 +153,14 @@ def serve(config: EngineConfig, settings: ServerSettings, sock: socket.socket, *
     if not server.started and exit_status.code == 0:
         return 1
     return exit_status.code
+
+
+def _no_health_polls_while_loading(record: logging.LogRecord) -> bool:
+    """Drop ``GET /health`` 503 lines: `agentd start --detach` (and any supervisor) polls five
+    times a second while the model loads, which filled agentd.log with hundreds of them."""
+    args = record.args
+    return not (isinstance(args, tuple) and len(args) == 5 and args[2] == "/health"
+                and args[4] == 503)
 
 
 def _url_host(host: str) -> str:

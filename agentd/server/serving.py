@@ -22,6 +22,7 @@ from litestar.response import Stream
 
 from agentd.async_engine import AsyncEngine, EngineBusyError, EngineDeadError, RequestStream
 from agentd.outputs import StreamDelta
+from agentd.pins import tenant_salt
 from agentd.sampling_params import SamplingParams
 from agentd.server.errors import APIError
 from agentd.server.protocol import Usage, error_body
@@ -62,11 +63,10 @@ def effective_cache_salt(tenant: str | None, client_salt: str | None) -> str | N
     With per-key isolation every salt starts with the key's tenant id, so no client salt can
     reach another tenant's blocks.
     """
-    if tenant is None:
-        return client_salt
-    if client_salt is None:
-        return f"tenant:{tenant}"
-    return f"tenant:{tenant}|salt:{client_salt}"
+    base = tenant_salt(tenant)  # a tenant's pins are hashed with it too
+    if base is None or client_salt is None:
+        return base or client_salt
+    return f"{base}|salt:{client_salt}"
 
 
 def delta_error(delta: StreamDelta) -> APIError:

@@ -6,9 +6,12 @@ half-built engine. Pins registered before a restart are restored (from their KV 
 recomputed) before the engine is published, so ``/health`` turns 200 only once they hit. The
 server shuts down only an engine it loaded itself; an engine passed in by the caller is started
 if needed and left running for its owner. Every /v1 and /admin route is
-behind the API-key guard when keys are set; /health and /metrics stay open. With two or more keys
-(and no ``shared_cache``) the guard tags each request with its key's tenant id, which the handlers
-mix into the cache salt, so tenants never share KV blocks.
+behind the API-key guard when keys are set; /health stays open, and /metrics too only with
+``metrics_public``. With two or more ``--api-key`` keys (and no ``shared_cache``) the guard tags
+each request with its key's tenant id, which the handlers mix into the cache salt and use as the
+owner of the pins it makes, so tenants never share KV blocks nor see each other's pins; only an
+operator (an ``--admin-key``, or any key when there is one tenant) reaches /admin, /v1/stats,
+/metrics and every tenant's pins.
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from litestar.handlers import BaseRouteHandler
 
 from agentd.config import EngineConfig
 from agentd.server.errors import APIError
+from agentd.server.intake import UnknownFields
+from agentd.server.local_token import new_token, write_token
 from agentd.server.metrics import EngineSnapshot, ServerMetrics
 
 if TYPE_CHECKING:
@@ -46,26 +51,45 @@ class ServerSettings:
     """HTTP-side knobs (the engine's live in ``EngineConfig``)."""
 
     api_keys: tuple[str, ...] = ()
+    admin_keys: tuple[str, ...] = ()  # operators: /admin, /v1/stats, /metrics, every tenant's pins
+    metrics_public: bool = False  # serve /metrics without a key even when keys are set
     max_request_body_bytes: int = 16 * 2**20
     shutdown_grace_s: float = 10.0
     max_queue: int = 256  # requests that may wait beyond a full batch; then 503 + Retry-After
     shared_cache: bool = False  # with several keys, let tenants share cached prefixes (and pins)
     state_dir: Path | None = None  # pins.json and KV snapshots; None keeps pins in memory only
+    # Web safety (agentd.server.web_guard): the address bound, more names the Host header may
+    # carry, origins whose pages may call the API, and how long a client may take to send a
+    # request's headers, then its body.
+    bind_host: str = "127.0.0.1"
+    allowed_hosts: tuple[str, ...] = ()
+    cors_origins: tuple[str, ...] = ()
+    read_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.max_request_body_bytes < 1024:
             raise ValueError("max_request_body_bytes must be at least 1024")
         if self.shutdown_grace_s < 0:
             raise ValueError("shutdown_grace_s must be >= 0")
-        if any(not key for key in self.api_keys):
+        if any(not key for key in self.all_keys):
             raise ValueError("API keys must be non-empty")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, not {self.max_queue}")
+        if self.read_timeout_s <= 0:
+            raise ValueError(f"read_timeout_s must be > 0, not {self.read_timeout_s}")
+
+    @property
+    def all_keys(self) -> tuple[str, ...]:
+        return self.api_keys + self.admin_keys
 
     @property
     def per_key_cache(self) -> bool:
         """Each API key gets its own cache salt: two or more keys and no ``shared_cache``."""
         return len(self.api_keys) >= 2 and not self.shared_cache
+
+    def is_operator(self, key: str) -> bool:
+        """Admin keys are; with a single tenant (one key, or a shared cache) every key is."""
+        return key in self.admin_keys or not self.per_key_cache
 
 
 class ServerState:
@@ -86,6 +110,8 @@ class ServerState:
         self.pid = os.getpid()
         self.request_exit: Callable[[int], None] = request_exit or (lambda code: None)
         self.metrics = ServerMetrics(self._stats_snapshot)
+        self.unknown_fields = UnknownFields()  # logged once per name
+        self.cli_token = new_token()  # lets `agentd stop` shut down a daemon without keys
         self._loader: threading.Thread | None = None
         self._abort_timer: threading.Timer | None = None
         self._close_lock = threading.Lock()
@@ -93,6 +119,8 @@ class ServerState:
     # --- lifecycle -------------------------------------------------------------------------
     def begin(self) -> None:
         """Start the given engine, or load one in a background thread (``/health`` says 503)."""
+        if self.settings.state_dir is not None:
+            write_token(self.settings.state_dir, self.cli_token)
         if self.engine is not None:
             self.engine.start()
             self.pins = self._pin_service(self.engine)
@@ -283,10 +311,11 @@ def server_of(state: State) -> ServerState:
 def require_api_key(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
     """Litestar guard: when API keys are set, ``Authorization: Bearer <key>`` must match one.
 
-    With per-key caches, the matching key's tenant id goes to ``connection.state.cache_tenant``.
+    With per-key caches, a tenant key's id goes to ``connection.state.cache_tenant``; whether the
+    key is an operator's goes to ``connection.state.operator``.
     """
     settings: ServerSettings = connection.app.state.agentd.settings
-    keys = settings.api_keys
+    keys = settings.all_keys
     if not keys:
         return
     scheme, _sep, token = connection.headers.get("authorization", "").partition(" ")
@@ -296,8 +325,32 @@ def require_api_key(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRoute
         raise APIError(401, "missing or incorrect API key; send 'Authorization: Bearer <key>' "
                        "with a key given to `agentd start --api-key`",
                        headers={"WWW-Authenticate": "Bearer"})
-    if settings.per_key_cache:
+    if settings.per_key_cache and matched[0] not in settings.admin_keys:
         connection.state.cache_tenant = tenant_of(matched[0])
+    connection.state.operator = settings.is_operator(matched[0])
+
+
+def require_operator(connection: ASGIConnection[Any, Any, Any, Any],
+                     handler: BaseRouteHandler) -> None:
+    """Litestar guard: the API-key guard, and then (when keys are set) an operator's key."""
+    require_api_key(connection, handler)
+    if not is_operator(connection):
+        raise APIError(403, "this needs an admin key: with several --api-key keys only the keys "
+                       "given to `agentd start --admin-key` reach /admin, /v1/stats, /metrics and "
+                       "other tenants' pins", code="permission_denied")
+
+
+def require_metrics_access(connection: ASGIConnection[Any, Any, Any, Any],
+                           handler: BaseRouteHandler) -> None:
+    """Litestar guard for /metrics: open with ``metrics_public``, else an operator's key."""
+    if not connection.app.state.agentd.settings.metrics_public:
+        require_operator(connection, handler)
+
+
+def is_operator(connection: ASGIConnection[Any, Any, Any, Any]) -> bool:
+    """Whether the guard let an operator in (everyone is, when no keys are set)."""
+    settings: ServerSettings = connection.app.state.agentd.settings
+    return getattr(connection.state, "operator", not settings.all_keys)
 
 
 def tenant_of(api_key: str) -> str:

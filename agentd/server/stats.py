@@ -89,10 +89,12 @@ def _percentile(sorted_values: list[float], q: int) -> float | None:
 def pins_report(summary: PinSummary, now_s: float | None = None) -> list[dict[str, Any]]:
     """Per pin: size, hits (requests matched), tokens served from the cache (= prefill saved)."""
     now_s = now_s if now_s is not None else time.monotonic()
-    return [{"name": p.name, "num_tokens": p.num_tokens, "num_blocks": p.num_blocks,
-             "hits": p.num_hits, "tokens_served": p.num_tokens_served, "ttl": p.ttl_s,
+    return [{"name": p.name, "owner": p.owner, "num_tokens": p.num_tokens,
+             "num_blocks": p.num_blocks, "hits": p.num_hits,
+             "tokens_served": p.num_tokens_served, "ttl": p.ttl_s,
              "idle_s": round(now_s - p.last_hit_s, 3),
-             "near_misses": sum(n for pin, _, n in summary.near_miss_counts if pin == p.name)}
+             "near_misses": sum(c.count for c in summary.near_miss_counts
+                                if (c.owner, c.pin) == (p.owner, p.name))}
             for p in summary.pins]
 
 
@@ -100,8 +102,8 @@ def near_miss_report(summary: PinSummary) -> dict[str, Any]:
     """The most frequent causes, and the latest near misses (newest first) with their texts."""
     return {
         "total": summary.num_near_misses,
-        "top": [{"pin": pin, "cause": cause, "count": n}
-                for pin, cause, n in summary.near_miss_counts[:NUM_TOP_CAUSES]],
+        "top": [{"pin": c.pin, "owner": c.owner, "cause": c.cause, "count": c.count}
+                for c in summary.near_miss_counts[:NUM_TOP_CAUSES]],
         "recent": [dataclasses.asdict(m)
                    for m in reversed(summary.recent_near_misses[-NUM_RECENT_NEAR_MISSES:])],
     }

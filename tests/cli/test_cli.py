@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner, Result
@@ -91,6 +93,24 @@ def test_status_and_stop_without_a_daemon(runner: CliRunner) -> None:
     assert "no agentd daemon at" in one_error_line(stop)
 
 
+def test_an_older_looser_state_dir_is_made_private(tmp_path) -> None:
+    from agentd.cli._state import StatePaths
+
+    paths = StatePaths(tmp_path / "state")
+    paths.root.mkdir(mode=0o755)
+    paths.root.chmod(0o755)
+    paths.log_file.write_text("an old log\n")
+    paths.log_file.chmod(0o644)
+    with paths.open_log() as log:
+        log.write(b"more\n")
+    paths.write_pid(123)
+    paths.write_daemon_info({"pid": 123})
+    assert paths.log_file.read_text() == "an old log\nmore\n"
+    assert paths.root.stat().st_mode & 0o777 == 0o700
+    for path in (paths.log_file, paths.pid_file, paths.daemon_file):
+        assert path.stat().st_mode & 0o777 == 0o600, path
+
+
 @pytest.fixture
 def detached(runner: CliRunner, monkeypatch, tmp_path, tiny_model_factory,
              free_port) -> Iterator[dict]:
@@ -118,8 +138,15 @@ def test_detach_status_stop_round_trip(runner: CliRunner, detached: dict) -> Non
     assert started.exit_code == 0, started.output
     assert f"agentd is ready at http://127.0.0.1:{port}" in started.output
     pid = int((state / "agentd.pid").read_text())
-    assert (state / "agentd.log").exists()
-    assert json.loads((state / "daemon.json").read_text())["pid"] == pid
+    daemon_info = json.loads((state / "daemon.json").read_text())
+    assert daemon_info["pid"] == pid
+    assert daemon_info["model"] == str(Path(detached["args"][5]).absolute())
+    assert daemon_info["log"] == str((state / "agentd.log").absolute())
+    log = (state / "agentd.log").read_text()
+    assert "agentd listening on" in log and '"GET /health HTTP/1.1" 503' not in log, log
+    assert state.stat().st_mode & 0o777 == 0o700  # they hold prompts: the owner's only
+    for name in ("agentd.log", "agentd.pid", "daemon.json"):
+        assert (state / name).stat().st_mode & 0o777 == 0o600, name
 
     status = runner.invoke(main, ["status"])
     assert status.exit_code == 0, status.output
@@ -128,6 +155,8 @@ def test_detach_status_stop_round_trip(runner: CliRunner, detached: dict) -> Non
     assert "weights int4" in status.output and "int4pack_mm(bf16)" in status.output
     log = (state / "agentd.log").read_text()
     assert "kernels on " in log and "qkv_proj int4pack_mm(bf16)" in log
+    assert re.search(r"threads\s+\d+ \(the default: all cores; every daemon on this host",
+                     status.output), status.output
     report = json.loads(runner.invoke(main, ["status", "--json"]).output)
     assert report["pid"] == pid and report["stats"]["num_blocks_used"] == 0
     compute = report["stats"]["compute"]
@@ -142,3 +171,9 @@ def test_detach_status_stop_round_trip(runner: CliRunner, detached: dict) -> Non
     assert f"agentd stopped (pid {pid})" in stop.output
     assert not (state / "agentd.pid").exists() and not (state / "daemon.json").exists()
     assert runner.invoke(main, ["status"]).exit_code == 3
+
+
+def test_start_help_says_each_daemon_takes_every_core(runner: CliRunner) -> None:
+    help_text = " ".join(runner.invoke(main, ["start", "--help"]).output.split())
+    assert "[default: all cores]. Every daemon takes this many: with several daemons on one " \
+        "host, give each its share" in help_text, help_text

@@ -8,6 +8,7 @@ import copy
 import json
 import time
 from importlib import resources
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -260,17 +261,19 @@ def test_snapshot_of_another_model_is_recomputed_not_reused(tiny_model_factory, 
     assert entry["source"] == "recompute"
 
 
-def test_unreadable_registry_is_ignored(tiny_llama, tmp_path):
+def test_unreadable_registry_without_a_backup_is_reported_and_kept(tiny_llama, tmp_path):
     (tmp_path / "pins.json").write_text("{not json")
 
     async def run():
         engine = make_engine(tiny_llama)
         try:
-            assert await PinService(engine, tmp_path).restore_all() == []
+            [entry] = await PinService(engine, tmp_path).restore_all()
+            assert entry["name"] == "pins.json" and "unreadable" in entry["error"]
         finally:
             engine.shutdown()
 
     asyncio.run(run())
+    assert (tmp_path / "pins.json.rejected").read_text() == "{not json"
 
 
 def test_registry_write_failure_is_reported_and_pins_still_serve(tiny_llama, research, tmp_path):
@@ -319,13 +322,14 @@ def test_stale_temporary_files_of_dead_writers_are_removed(tmp_path) -> None:
     assert not any(p.exists() for p in stale)
 
 
-def system_with_tail(engine: AsyncEngine | LLM, system: str) -> tuple[str, int]:
-    """``system`` cut at a line end such that the pin's shared prefix ends inside a block."""
+def system_with_tail(engine: AsyncEngine | LLM, system: str, min_tail: int = 2) -> tuple[str, int]:
+    """``system`` cut at a line end such that the pin's shared prefix ends inside a block, with
+    at least ``min_tail`` tokens past its last full block."""
     lines = system.split("\n")
     for end in range(len(lines), 0, -1):
         text = "\n".join(lines[:end])
         tail = len(pin_token_ids(engine.tokenizer, text, None)) % 16
-        if tail > 1:
+        if tail >= min_tail:
             return text, tail
     raise AssertionError("no cut of the system text leaves a partial block")
 
@@ -404,37 +408,90 @@ def test_a_pins_tail_survives_a_restart(tiny_llama, research, tmp_path):
     assert tokens == uncached_tokens(tiny_llama, system, question)
 
 
-def test_a_pins_tail_gives_the_logits_of_a_full_recompute(tiny_llama, research):
-    """The copied tail KV is the KV the request would have computed: its first token's logits
-    match a run without any cache to rounding."""
-    def first_logits(llm: LLM, prompt: list[int]):
-        captured = []
-        execute = llm.engine.runner.execute
+def first_step_logits(llm: LLM, prompt: list[int]) -> tuple[torch.Tensor, int]:
+    """The logits of a prompt's first sampled token, and how many of its tokens were cached."""
+    captured = []
+    execute = llm.engine.runner.execute
 
-        def recording(scheduled):
-            result = execute(scheduled)
-            captured.append(result.logits)
-            return result
+    def recording(scheduled):
+        result = execute(scheduled)
+        captured.append(result.logits)
+        return result
 
-        llm.engine.runner.execute = recording
+    llm.engine.runner.execute = recording
+    try:
         out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1))[0]
-        return captured[0][0], out.num_cached_tokens
+    finally:
+        del llm.engine.runner.execute
+    return captured[0][0], out.num_cached_tokens
 
-    pinned = LLM(str(tiny_llama), device="cpu", dtype="float32",
+
+class TailPin(NamedTuple):
+    pinned: LLM  # holds a pin whose tail is at least 5 tokens
+    plain: LLM  # the same model without a prefix cache
+    system: str
+    pin_ids: list[int]
+    tail: int  # tokens past the pin's last full block
+
+
+@pytest.fixture(scope="module")
+def tail_pinned(tiny_model_factory, research) -> TailPin:
+    path = tiny_model_factory("llama")
+    pinned = LLM(str(path), device="cpu", dtype="float32",
                  kv_cache_memory_bytes=256 * BLOCK_BYTES_TINY_LLAMA)
-    system, tail = system_with_tail(pinned, research["system"])
+    system, tail = system_with_tail(pinned, research["system"], min_tail=5)
     pin_ids = pin_token_ids(pinned.tokenizer, system, None)
     pinned.engine.add_pin("p", pin_ids)
     while pinned.engine.has_unfinished_requests():
         pinned.engine.step()
     assert pinned.engine.pins.registry.get("p").tail_token_ids == pin_ids[-tail:]
-    messages = [{"role": "system", "content": system},
-                {"role": "user", "content": research["turns"][6]}]
-    prompt = render_chat(pinned.tokenizer, messages, None, None).prompt_token_ids
-    logits, num_cached = first_logits(pinned, prompt)
-    assert num_cached == len(pin_ids)
-    plain = LLM(str(tiny_llama), device="cpu", dtype="float32", enable_prefix_caching=False,
+    plain = LLM(str(path), device="cpu", dtype="float32", enable_prefix_caching=False,
                 kv_cache_memory_bytes=256 * BLOCK_BYTES_TINY_LLAMA)
-    expected, none_cached = first_logits(plain, prompt)
+    return TailPin(pinned, plain, system, pin_ids, tail)
+
+
+def assert_served_from_the_tail(tail_pinned: TailPin, prompt: list[int],
+                                num_expected: int) -> None:
+    """``prompt`` is served ``num_expected`` cached tokens, and its first token's logits are a
+    full recompute's to rounding."""
+    pinned, plain = tail_pinned.pinned, tail_pinned.plain
+    logits, num_cached = first_step_logits(pinned, prompt)
+    assert num_cached == num_expected
+    expected, none_cached = first_step_logits(plain, prompt)
     assert none_cached == 0
     torch.testing.assert_close(logits, expected, atol=5e-5, rtol=0)
+    assert pinned.engine.kv_cache.pool.num_used == pinned.engine.pins.registry.num_pinned_blocks
+
+
+def test_a_pins_tail_gives_the_logits_of_a_full_recompute(tail_pinned, research):
+    """The copied tail KV is the KV the request would have computed: its first token's logits
+    match a run without any cache to rounding."""
+    messages = [{"role": "system", "content": tail_pinned.system},
+                {"role": "user", "content": research["turns"][6]}]
+    prompt = render_chat(tail_pinned.pinned.tokenizer, messages, None, None).prompt_token_ids
+    assert_served_from_the_tail(tail_pinned, prompt, len(tail_pinned.pin_ids))
+
+
+def test_a_conversation_that_leaves_the_pin_inside_its_tail(tail_pinned, research):
+    """[system, assistant, user] renders the pin's text, then an assistant turn where the pin's
+    tail expects a user turn: only the tail's tokens up to that point are served from it."""
+    pin_ids = tail_pinned.pin_ids
+    messages = [{"role": "system", "content": tail_pinned.system},
+                {"role": "assistant", "content": "Hello! What shall we research?"},
+                {"role": "user", "content": research["turns"][1]}]
+    prompt = render_chat(tail_pinned.pinned.tokenizer, messages, None, None).prompt_token_ids
+    full = len(pin_ids) - tail_pinned.tail
+    num_equal = full
+    while prompt[num_equal] == pin_ids[num_equal]:
+        num_equal += 1
+    assert full < num_equal < len(pin_ids)  # the pin is left inside its tail
+    assert_served_from_the_tail(tail_pinned, prompt, num_equal)
+
+
+@pytest.mark.parametrize("num_tail_tokens", [2, 3, 4])
+def test_a_completion_prompt_that_ends_inside_the_pins_tail(tail_pinned, num_tail_tokens):
+    """A /v1/completions prompt (token ids) that stops inside the tail: the tail serves all of
+    it but its last token, which is computed for the logits."""
+    full = len(tail_pinned.pin_ids) - tail_pinned.tail
+    prompt = tail_pinned.pin_ids[:full + num_tail_tokens]
+    assert_served_from_the_tail(tail_pinned, prompt, full + num_tail_tokens - 1)

@@ -335,7 +335,27 @@ def test_random_token_sequences_stream_to_the_full_decode(tokenizer, seed: int) 
         output_ids = [rng.choice(pieces) if rng.random() < 0.5 else rng.randrange(VOCAB)
                       for _ in range(rng.randrange(1, 40))] + tokenizer(" end").input_ids
         deltas, _ = stream(tokenizer, prompt_ids, output_ids)
-        assert "".join(deltas) == tokenizer.decode(output_ids, skip_special_tokens=True)
+        expected = tokenizer.decode(output_ids, skip_special_tokens=True)
+        assert "".join(deltas) == "".join(c for c in expected if not is_dropped_control(c))
+
+
+def is_dropped_control(char: str) -> bool:
+    return (ord(char) < 0x20 and char not in "\t\n\r") or char == "\x7f"
+
+
+def test_tokens_that_decode_to_control_characters_are_never_emitted(tokenizer) -> None:
+    """A streamed reply once carried a NUL ("...fellowship home\\x00\\n"): byte-level BPE has a
+    token per byte, and the model sampled NUL's (id 190). Every such token is dropped from the
+    text; tab, newline and carriage return stay."""
+    controls = [i for i in range(len(tokenizer))
+                if any(is_dropped_control(c) for c in tokenizer.decode([i]))]
+    assert 190 in controls and tokenizer.decode([190]) == "\x00"
+    assert all(len(tokenizer.convert_ids_to_tokens(i)) == 1 for i in controls)  # single bytes
+    head, tail = tokenizer(" fellowship home").input_ids, tokenizer("\n\tdone\r\n").input_ids
+    deltas, detok = stream(tokenizer, [], head + [190] + tail)
+    assert "".join(deltas) == detok.text == " fellowship home\n\tdone\r\n"
+    deltas, _ = stream(tokenizer, tokenizer("Say it:").input_ids, head + controls + tail)
+    assert "".join(deltas) == " fellowship home\n\tdone\r\n"
 
 
 def test_valid_text_in_random_token_splits_never_shows_replacement_characters(tokenizer) -> None:

@@ -370,3 +370,33 @@ def test_a_waiting_request_goes_ahead_when_the_prefill_it_waits_for_is_aborted(
     assert b.num_cached_tokens == 16
     h.run_to_end()
     h.assert_pool_empty()
+
+
+def test_a_waiting_request_is_hashed_once_not_every_step_it_waits(monkeypatch) -> None:
+    """vLLM's ``request.block_hashes``: a prompt looked up step after step while it waits for
+    room is hashed once; decoding extends the chain, and no block is ever hashed twice."""
+    from collections import Counter
+
+    from agentd.cache import kv_cache_manager
+
+    hashed: Counter[tuple[int, int]] = Counter()  # (block index, its first token) -> times
+    real_hash_blocks = kv_cache_manager.hash_blocks
+
+    def counting(token_ids, block_size, *args, start_block=0, **kwargs):
+        for index in range(start_block, len(token_ids) // block_size):
+            hashed[index, token_ids[index * block_size]] += 1
+        return real_hash_blocks(token_ids, block_size, *args, start_block=start_block, **kwargs)
+
+    monkeypatch.setattr(kv_cache_manager, "hash_blocks", counting)
+    h = make(num_blocks=8, budget=64)
+    long = h.add("long", prompt(0, 20), max_tokens=8)  # 5 blocks, then 7 with its output
+    waiter = h.add("waiter", prompt(500, 16), max_tokens=2)  # 4 blocks + 1: no room beside it
+    steps_waited = 0
+    while waiter.status is RequestStatus.WAITING:
+        h.step()
+        steps_waited += 1
+    assert steps_waited >= 5 and long.status.finished
+    h.run_to_end()
+    assert hashed[0, 500] == 1 and max(hashed.values()) == 1, hashed
+    assert set(hashed) >= {(i, 500 + 4 * i) for i in range(4)}
+    h.assert_pool_empty()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import httpx
@@ -22,6 +23,7 @@ import torch
 
 from agentd.async_engine import AsyncEngine
 from agentd.config import EngineConfig
+from agentd.server.app import ServerSettings, create_app
 
 TINY_KV_BYTES = 8 * 2**20  # 1,024 blocks of 16 tokens for the tiny llama
 IDLE_TIMEOUT_S = 30.0
@@ -82,6 +84,24 @@ def wait_idle(get: Callable[[str], httpx.Response], num_pinned_ok: bool = True,
             return report
         assert time.monotonic() < deadline, f"the daemon never went idle: {report}"
         time.sleep(0.05)
+
+
+@contextmanager
+def clients_over(tiny: tuple[EngineConfig, AsyncEngine],
+                 settings: dict[str, ServerSettings]) -> Iterator[dict[str, Any]]:
+    """One Litestar test client per named ``ServerSettings``, all over the one engine."""
+    from litestar.testing import TestClient
+
+    config, engine = tiny
+    with ExitStack() as stack:
+        yield {name: stack.enter_context(TestClient(
+            create_app(config, engine=engine, settings=one), base_url="http://127.0.0.1"))
+               for name, one in settings.items()}
+
+
+@pytest.fixture(scope="session")
+def app_clients() -> Callable[..., Any]:
+    return clients_over
 
 
 @pytest.fixture(scope="session")

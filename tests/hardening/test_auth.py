@@ -1,7 +1,9 @@
-"""API keys: with ``--api-key`` (several allowed) every ``/v1`` and ``/admin`` operation in the
-app's own OpenAPI schema — so routes added later are covered without editing this test — answers
-401 without a key, with a wrong key or another scheme, and does not with any of the keys;
-``/health`` (and ``/metrics``, for scrapers) stay open. The CLI sends ``$AGENTD_API_KEY``.
+"""API keys: with ``--api-key`` (several allowed) and ``--admin-key`` every ``/v1`` and ``/admin``
+operation in the app's own OpenAPI schema — so routes added later are covered without editing
+this test — answers 401 without a key, with a wrong key or another scheme, and does not with any
+of the keys; with several tenant keys, the operator's routes (``/admin``, ``/v1/stats``) answer
+403 to a tenant and not to the admin key. ``/health`` stays open; ``/metrics`` needs an
+operator's key unless ``--metrics-public``. The CLI sends ``$AGENTD_API_KEY``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,11 @@ from agentd.cli.start import command as start_command
 from agentd.cli.start import server_settings
 from agentd.server.app import ServerSettings, create_app
 
+LOCAL = "http://127.0.0.1"  # a Host header the daemon answers to (testserver.local is not)
+
 KEYS = ("sk-alpha", "sk-beta")
+ADMIN = "sk-admin"
+OPERATOR_PATHS = ("/admin/", "/v1/stats")
 BAD_HEADERS = {
     "no header": {},
     "wrong key": {"Authorization": "Bearer sk-gamma"},
@@ -33,8 +39,9 @@ BAD_HEADERS = {
 @pytest.fixture(scope="module")
 def keyed(tiny) -> Iterator[TestClient]:
     config, engine = tiny
-    app = create_app(config, engine=engine, settings=ServerSettings(api_keys=KEYS))
-    with TestClient(app) as client:
+    app = create_app(config, engine=engine, settings=ServerSettings(api_keys=KEYS,
+                                                                   admin_keys=(ADMIN,)))
+    with TestClient(app, base_url=LOCAL) as client:
         yield client
 
 
@@ -56,7 +63,7 @@ def test_every_v1_and_admin_operation_needs_a_key(keyed: TestClient, openai_erro
             assert error["type"] == "authentication_error"
 
 
-@pytest.mark.parametrize("key", KEYS)
+@pytest.mark.parametrize("key", [*KEYS, ADMIN])
 def test_each_key_is_accepted_everywhere(keyed: TestClient, key: str, idle) -> None:
     bodies: dict[str, Any] = {"/v1/chat/completions": {
         "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
@@ -70,15 +77,32 @@ def test_each_key_is_accepted_everywhere(keyed: TestClient, key: str, idle) -> N
             response = keyed.request(method, path, headers=headers, json=bodies.get(path))
             assert response.status_code != 401, (method, path, response.text)
             assert response.status_code < 500, (method, path, response.text)
+            if path.startswith(OPERATOR_PATHS):  # a tenant is refused, the operator is not
+                assert (response.status_code == 403) == (key != ADMIN), (method, path, key)
         keyed.delete("/v1/pins/auth-probe", headers=headers)
-    idle(lambda path: keyed.get(path, headers={"Authorization": f"Bearer {key}"}),
+    idle(lambda path: keyed.get(path, headers={"Authorization": f"Bearer {ADMIN}"}),
          num_pinned_ok=False)
 
 
-def test_health_metrics_and_docs_stay_open(keyed: TestClient) -> None:
+def test_health_and_docs_stay_open_and_metrics_needs_an_operator(keyed: TestClient, tiny,
+                                                                 openai_error) -> None:
     assert keyed.get("/health").status_code == 200
-    assert keyed.get("/metrics").status_code == 200
     assert keyed.get("/docs/openapi.json").status_code == 200
+    assert openai_error(keyed.get("/metrics"), 401)["code"] == "invalid_api_key"
+    tenant = keyed.get("/metrics", headers={"Authorization": f"Bearer {KEYS[0]}"})
+    assert openai_error(tenant, 403)["code"] == "permission_denied"
+    admin = keyed.get("/metrics", headers={"Authorization": f"Bearer {ADMIN}"})
+    assert admin.status_code == 200 and b"vllm:" in admin.content
+    config, engine = tiny
+    public = ServerSettings(api_keys=KEYS, metrics_public=True)
+    with TestClient(create_app(config, engine=engine, settings=public), base_url=LOCAL) as client:
+        assert client.get("/metrics").status_code == 200
+    one_tenant = ServerSettings(api_keys=KEYS[:1])  # one key: its holder is the operator
+    with TestClient(create_app(config, engine=engine, settings=one_tenant),
+                    base_url=LOCAL) as client:
+        assert client.get("/metrics").status_code == 401
+        assert client.get("/metrics", headers={"Authorization": f"Bearer {KEYS[0]}"}
+                          ).status_code == 200
 
 
 def test_start_accepts_several_keys_by_option_or_environment() -> None:
@@ -93,12 +117,18 @@ def test_start_accepts_several_keys_by_option_or_environment() -> None:
     settings = server_settings(ctx.params)
     assert settings.api_keys == ("k1", "k2") and settings.max_queue == 7
     assert settings.shared_cache and not settings.per_key_cache
+    ctx = start_command.make_context("start", ["--api-key", "k1,k2", "--admin-key", "root",
+                                               "--metrics-public"])
+    settings = server_settings(ctx.params)
+    assert settings.admin_keys == ("root",) and settings.metrics_public
+    assert settings.is_operator("root") and not settings.is_operator("k1")
 
 
 @pytest.fixture(scope="module")
 def keyed_url(tiny, serve) -> Iterator[str]:
     config, engine = tiny
-    with serve(create_app(config, engine=engine, settings=ServerSettings(api_keys=KEYS))) as url:
+    settings = ServerSettings(api_keys=KEYS, shared_cache=True)  # one tenant: keys are operators
+    with serve(create_app(config, engine=engine, settings=settings)) as url:
         yield url
 
 

@@ -25,6 +25,8 @@ from litestar.testing import TestClient
 
 from agentd.server.app import ServerSettings, create_app
 
+LOCAL = "http://127.0.0.1"  # a Host header the daemon answers to (testserver.local is not)
+
 BASE = "You are the base agent. Answer briefly and cite the files you read. " * 6
 BIG = json.loads(resources.files("agentd.workloads").joinpath("coding_agent.json")
                  .read_text())["system"]
@@ -146,7 +148,7 @@ def state_client(tiny, tmp_path) -> Iterator[tuple[TestClient, Path]]:
     state_dir = tmp_path / "state"
     state_dir.mkdir()
     app = create_app(config, engine=engine, settings=ServerSettings(state_dir=state_dir))
-    with TestClient(app) as client:
+    with TestClient(app, base_url=LOCAL) as client:
         yield client, state_dir
 
 

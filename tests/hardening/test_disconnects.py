@@ -291,7 +291,7 @@ def test_non_streamed_clients_timing_out_leave_no_server_error(live_url: str, id
 
 
 def test_shutdown_during_a_long_step_still_answers_every_request(tiny, monkeypatch,
-                                                                 poll) -> None:
+                                                                 poll, tmp_path) -> None:
     """``serve`` with a 1 s grace while every engine step takes 2 s (a long prefill on a busy
     CPU): the abort cannot land between steps in time, so open requests are ended from the
     event loop — a JSON reply (200 "abort" or an OpenAI-shaped 503) or a stream that ends with
@@ -319,7 +319,8 @@ def test_shutdown_during_a_long_step_still_answers_every_request(tiny, monkeypat
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     status: list[int] = []
     thread = threading.Thread(daemon=True, target=lambda: status.append(serve(
-        config, ServerSettings(shutdown_grace_s=1.0), sock, log_level="warning")))
+        config, ServerSettings(shutdown_grace_s=1.0, state_dir=tmp_path), sock,
+        log_level="warning")))
     thread.start()
 
     def health() -> int | None:
@@ -347,7 +348,9 @@ def test_shutdown_during_a_long_step_still_answers_every_request(tiny, monkeypat
     time.sleep(0.5)  # both are running
     slow.set()
     time.sleep(0.1)
-    assert httpx.post(f"{url}/admin/shutdown").status_code == 202
+    token = (tmp_path / "cli.token").read_text().strip()
+    assert httpx.post(f"{url}/admin/shutdown", headers={"x-agentd-token": token}).status_code \
+        == 202
     for client in clients:
         client.join(30)
     thread.join(30)

@@ -1,7 +1,8 @@
 """Isolation: cached context never crosses a cache salt. ``cache_salt`` (vLLM semantics: mixed
 into the first block's hash) and, with several API keys, a per-key salt by default, so tenants
 never share blocks: ``cached_tokens`` is 0 across salts and > 0 within one. ``--shared-cache``
-(and a single key) keep one shared cache, where pins hit for everyone.
+(and a single key) keep one shared cache, where pins hit for everyone; with per-key caches a pin
+hits only for the tenant that made it (test_tenants.py has the rest of the pin rules).
 
 And, in the spirit of llama.cpp #27148 (an unrelated conversation restored into a fresh slot
 under concurrent load): 15 multi-turn conversations over a pool far too small for all of them —
@@ -26,6 +27,8 @@ from agentd.async_engine import AsyncEngine
 from agentd.config import EngineConfig
 from agentd.engine import LLMEngine
 from agentd.server.app import ServerSettings, create_app
+
+LOCAL = "http://127.0.0.1"  # a Host header the daemon answers to (testserver.local is not)
 
 KEYS = ("sk-tenant-a", "sk-tenant-b")
 WORKLOADS = ("coding_agent", "support_agent", "research_agent")
@@ -54,19 +57,13 @@ def cached(client: TestClient, system: str, key: str | None = None,
 
 
 @pytest.fixture(scope="module")
-def clients(tiny) -> Iterator[dict[str, TestClient]]:
+def clients(tiny, app_clients) -> Iterator[dict[str, TestClient]]:
     """Apps over one engine (so one pool): open, one key, two keys, two keys sharing."""
-    config, engine = tiny
-    settings = {"open": ServerSettings(), "one key": ServerSettings(api_keys=KEYS[:1]),
-                "two keys": ServerSettings(api_keys=KEYS),
-                "shared": ServerSettings(api_keys=KEYS, shared_cache=True)}
-    opened = {name: TestClient(create_app(config, engine=engine, settings=s))
-              for name, s in settings.items()}
-    for client in opened.values():
-        client.__enter__()
-    yield opened
-    for client in opened.values():
-        client.__exit__(None, None, None)
+    with app_clients(tiny, {"open": ServerSettings(),
+                            "one key": ServerSettings(api_keys=KEYS[:1]),
+                            "two keys": ServerSettings(api_keys=KEYS),
+                            "shared": ServerSettings(api_keys=KEYS, shared_cache=True)}) as clients:
+        yield clients
 
 
 def test_explicit_cache_salt_hits_only_within_the_salt(clients, idle) -> None:
@@ -95,8 +92,7 @@ def test_each_key_gets_its_own_cache_by_default(clients, idle) -> None:
     # nor do tenant blocks leak to an unkeyed server over the same pool, or back
     assert cached(clients["open"], system) == 0
     assert cached(clients["open"], system, salt=f"tenant:{a}") == 0
-    idle(lambda path: client.get(path, headers={"Authorization": f"Bearer {a}"}),
-         num_pinned_ok=False)
+    idle(clients["open"].get, num_pinned_ok=False)  # the same engine; /admin is the operator's
 
 
 def test_shared_cache_and_a_single_key_share_blocks(clients) -> None:
@@ -108,24 +104,30 @@ def test_shared_cache_and_a_single_key_share_blocks(clients) -> None:
     assert cached(clients["open"], system) > 0
 
 
-def test_pins_hit_in_the_shared_cache_and_not_across_tenants(clients, idle) -> None:
-    """The documented rule: pins are registered unsalted, so they serve the shared cache (no
-    key, one key, ``--shared-cache``); with per-key caches a tenant's requests never hit them."""
-    system = system_prompt("pinned")
+def test_pins_hit_in_the_shared_cache_and_only_for_their_tenant(clients, idle) -> None:
+    """The documented rule: a pin made in the shared cache (no key, one key, ``--shared-cache``)
+    serves it; with per-key caches a pin is hashed with its tenant's salt and serves that tenant
+    alone."""
     a, b = KEYS
-    auth = {"Authorization": f"Bearer {a}"}
-    created = clients["two keys"].post("/v1/pins", json={"name": "iso", "system": system},
-                                       headers=auth)
+    shared, tenant = system_prompt("pinned-shared"), system_prompt("pinned-tenant")
+    created = clients["open"].post("/v1/pins", json={"name": "iso", "system": shared})
     assert created.status_code == 201, created.text
-    num_tokens = created.json()["num_tokens"]
+    mine = clients["two keys"].post("/v1/pins", json={"name": "iso", "system": tenant},
+                                    headers={"Authorization": f"Bearer {a}"})
+    assert mine.status_code == 201, mine.text
     try:
-        assert cached(clients["open"], system) >= num_tokens
-        assert cached(clients["one key"], system, a) >= num_tokens
-        assert cached(clients["shared"], system, b) >= num_tokens
-        assert cached(clients["two keys"], system, a) == 0
-        assert cached(clients["two keys"], system, b) == 0
+        num_tokens = created.json()["num_tokens"]
+        assert cached(clients["open"], shared) >= num_tokens
+        assert cached(clients["one key"], shared, a) >= num_tokens
+        assert cached(clients["shared"], shared, b) >= num_tokens
+        assert cached(clients["two keys"], shared, a) == 0
+        assert cached(clients["two keys"], tenant, a) >= mine.json()["num_tokens"]
+        assert cached(clients["two keys"], tenant, b) == 0
+        assert cached(clients["open"], tenant) == 0
     finally:
-        assert clients["two keys"].delete("/v1/pins/iso", headers=auth).status_code == 200
+        assert clients["open"].delete("/v1/pins/iso").status_code == 200
+        assert clients["two keys"].delete("/v1/pins/iso", headers={
+            "Authorization": f"Bearer {a}"}).status_code == 200
     idle(clients["open"].get, num_pinned_ok=False)
 
 

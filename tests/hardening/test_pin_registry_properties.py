@@ -142,7 +142,7 @@ class PinRegistryMachine(RuleBasedStateMachine):
     @rule(elapsed_s=st.sampled_from([1.0, 6.0, 25.0]))
     def expire(self, elapsed_s: float) -> None:
         self.now_s += elapsed_s
-        expired = sorted(self.registry.expired(self.now_s))
+        expired = sorted(key.name for key in self.registry.expired(self.now_s))
         assert expired == sorted(name for name, m in self.pins.items()
                                  if m.ttl_s is not None and self.now_s - m.last_hit_s > m.ttl_s)
         if expired:

@@ -49,8 +49,8 @@ def tiny_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def save_tiny_llama(path: Path) -> LlamaForCausalLM:
-    torch.manual_seed(0)
+def save_tiny_llama(path: Path, seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
     config = LlamaConfig(
         vocab_size=32,
         hidden_size=16,
@@ -193,6 +193,43 @@ def test_fingerprint_is_stable_and_tracks_dtype(tiny_llama: tuple[Path, LlamaFor
         [sys.executable, "-c", script, str(files.path)], capture_output=True, text=True, check=True
     )
     assert other.stdout.strip() == first
+
+
+def test_fingerprint_hashes_the_weights_contents(tmp_path: Path) -> None:
+    """A fine-tune with the same shapes (here: another seed) is another model."""
+    fingerprints = []
+    for seed in (0, 1):
+        save_tiny_llama(tmp_path / f"seed-{seed}", seed)
+        files = resolve_model(str(tmp_path / f"seed-{seed}"))
+        fingerprints.append(model_fingerprint(files, load_config(files), load_tokenizer(files),
+                                              "float32"))
+    a, b = (tmp_path / f"seed-{seed}" / "model.safetensors" for seed in (0, 1))
+    assert a.stat().st_size == b.stat().st_size and a.read_bytes() != b.read_bytes()
+    assert fingerprints[0] != fingerprints[1]
+
+
+def test_big_weight_digests_are_cached_by_path_size_and_mtime(tmp_path: Path, monkeypatch) -> None:
+    from agentd.model import loader
+
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"a" * 4096)
+    monkeypatch.setattr(loader, "DIGEST_CACHE_MIN_BYTES", 1024)
+    hashed: list[Path] = []
+    hash_file = loader._hash_file
+    monkeypatch.setattr(loader, "_hash_file", lambda path: hashed.append(path) or hash_file(path))
+    first = loader.weights_digest(weights, tmp_path / "cache")
+    assert loader.weights_digest(weights, tmp_path / "cache") == first
+    assert hashed == [weights]  # the second start read the cache
+    time.sleep(0.05)  # past the file system's timestamp tick
+    weights.write_bytes(b"b" * 4096)  # the same size, new contents (and mtime)
+    assert loader.weights_digest(weights, tmp_path / "cache") != first
+    assert len(hashed) == 2
+    small = tmp_path / "small.safetensors"
+    small.write_bytes(b"c" * 100)
+    loader.weights_digest(small, tmp_path / "cache")
+    loader.weights_digest(small, tmp_path / "cache")
+    assert hashed[2:] == [small, small]  # small files are hashed each time: nothing cached
+    assert len(list((tmp_path / "cache" / "digests").iterdir())) == 2
 
 
 def fake_convert(gguf: Path, out_dir: Path, progress: bool = True) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +14,13 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig
 
-from agentd.model.llama import LlamaModel, PackedLinear, SharedWeightLinear, pack_linears
+from agentd.model.llama import (
+    LlamaModel,
+    PackedLinear,
+    SharedWeightLinear,
+    pack_linears,
+    packing_unsupported,
+)
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
                                 reason="this torch build has no oneDNN")
@@ -22,6 +29,8 @@ pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
 def test_packed_linear_matches_f_linear(bias: bool, dtype: torch.dtype, tolerance: float) -> None:
+    if (reason := packing_unsupported(dtype)) is not None:  # the daemon's own probe
+        pytest.skip(reason)  # e.g. bf16 on an AVX2-only CPU, where the daemon falls back
     torch.manual_seed(0)
     linear = nn.Linear(96, 160, bias=bias).to(dtype)
     packed = PackedLinear(linear)
@@ -106,3 +115,40 @@ def test_new_row_counts_do_not_grow_memory_without_bound() -> None:
         growth[mode] = float(result.stdout.split()[-1])
     assert growth["default"] > 300, growth  # the failure this guards against is real here
     assert growth["bounded"] < 80, growth
+
+
+def test_a_cpu_without_bf16_packing_skips_the_bf16_case_and_the_daemon_falls_back(
+        cpu_without_bf16) -> None:
+    """On an AVX2-only CPU (the probe answering "no" as oneDNN does there) the bf16 case skips
+    with the reason, and a bf16 model keeps torch's dense linears and still runs."""
+    reason = packing_unsupported(torch.bfloat16)
+    assert reason is not None and "avx512bw" in reason
+    assert packing_unsupported(torch.float32) is None
+    with pytest.raises(pytest.skip.Exception, match="avx512bw"):
+        test_packed_linear_matches_f_linear(False, torch.bfloat16, 3e-2)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaModel(config).to(torch.bfloat16)
+    assert pack_linears(model) == 0
+    assert not any(isinstance(m, (PackedLinear, SharedWeightLinear)) for m in model.modules())
+
+
+ISA_DEPENDENT_TESTS = ["tests/model/test_packed_linear.py", "tests/kernels/test_torch_prefill.py",
+                       "tests/kernels/test_torch_decode.py"]
+
+
+def test_isa_dependent_tests_pass_or_skip_on_a_cpu_without_bf16() -> None:
+    """The README's test command on an AVX2-only CPU, for every test of an ISA-dependent path:
+    nothing fails; each bf16-only test skips naming what the CPU lacks."""
+    if os.environ.get("AGENTD_TEST_CPU_WITHOUT_BF16"):
+        pytest.skip("already simulating a CPU without bf16")  # never recurse
+    env = {**os.environ, "AGENTD_TEST_CPU_WITHOUT_BF16": "1"}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                             "-k", "(bf16 or bfloat16 or dtype1) and not isa_dependent",
+                             *ISA_DEPENDENT_TESTS],
+                            capture_output=True, text=True, timeout=600, env=env,
+                            cwd=Path(__file__).parents[2])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    skipped = [line for line in result.stdout.splitlines() if line.startswith("SKIPPED")]
+    assert {line.split()[2].split(":")[0] for line in skipped} == set(ISA_DEPENDENT_TESTS)
+    assert all("avx512bw" in line or "bfloat16 GEMMs" in line for line in skipped), skipped

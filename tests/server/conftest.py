@@ -9,6 +9,8 @@ from typing import Any
 
 import pytest
 
+LOCAL = "http://127.0.0.1"  # a Host header the daemon answers to (testserver.local is not)
+
 IdleWaiter = Callable[[Callable[[], dict[str, Any]]], dict[str, Any]]
 
 
@@ -52,6 +54,6 @@ def client(tiny) -> Iterator[Any]:
     from agentd.server.app import create_app
 
     config, engine = tiny
-    with TestClient(create_app(config, engine=engine)) as test_client:
+    with TestClient(create_app(config, engine=engine), base_url=LOCAL) as test_client:
         yield test_client
         _wait_idle(lambda: test_client.get("/v1/stats").json())

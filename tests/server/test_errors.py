@@ -14,6 +14,8 @@ from litestar.testing import TestClient
 
 from agentd.server.app import ServerSettings, create_app
 
+LOCAL = "http://127.0.0.1"  # a Host header the daemon answers to (testserver.local is not)
+
 USER = [{"role": "user", "content": "hi"}]
 CITY = {"type": "object", "properties": {"city": {"type": "string"}}}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": CITY}}]
@@ -102,7 +104,8 @@ def test_prompt_over_the_context_is_400_context_length_exceeded(client: TestClie
 def small_body_client(tiny) -> Iterator[TestClient]:
     config, engine = tiny
     settings = ServerSettings(max_request_body_bytes=4096)
-    with TestClient(create_app(config, engine=engine, settings=settings)) as test_client:
+    with TestClient(create_app(config, engine=engine, settings=settings),
+                    base_url=LOCAL) as test_client:
         yield test_client
 
 
@@ -116,11 +119,12 @@ def test_body_over_the_limit_is_413(small_body_client: TestClient) -> None:
 def keyed_client(tiny) -> Iterator[TestClient]:
     config, engine = tiny
     settings = ServerSettings(api_keys=("sk-test",))
-    with TestClient(create_app(config, engine=engine, settings=settings)) as test_client:
+    with TestClient(create_app(config, engine=engine, settings=settings),
+                    base_url=LOCAL) as test_client:
         yield test_client
 
 
-def test_api_key_guards_v1_and_admin_but_not_health(keyed_client: TestClient) -> None:
+def test_api_key_guards_v1_admin_and_metrics_but_not_health(keyed_client: TestClient) -> None:
     for method, path in (("GET", "/v1/models"), ("GET", "/v1/stats"),
                          ("POST", "/admin/shutdown"), ("POST", "/v1/chat/completions")):
         error = assert_openai_error(keyed_client.request(method, path), 401)
@@ -130,4 +134,6 @@ def test_api_key_guards_v1_and_admin_but_not_health(keyed_client: TestClient) ->
     ok = keyed_client.get("/v1/models", headers={"Authorization": "Bearer sk-test"})
     assert ok.status_code == 200
     assert keyed_client.get("/health").status_code == 200
-    assert keyed_client.get("/metrics").status_code == 200
+    assert_openai_error(keyed_client.get("/metrics"), 401)  # it names the pins
+    assert keyed_client.get("/metrics", headers={"Authorization": "Bearer sk-test"}
+                            ).status_code == 200

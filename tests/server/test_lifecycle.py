@@ -17,6 +17,8 @@ from agentd.async_engine import AsyncEngine
 from agentd.config import EngineConfig
 from agentd.server.app import create_app
 
+LOCAL = "http://127.0.0.1"  # a Host header the daemon answers to (testserver.local is not)
+
 USER = [{"role": "user", "content": "Tell me a long story about caches."}]
 LONG = {"messages": USER, "max_tokens": 3000, "ignore_eos": True, "temperature": 0}
 
@@ -31,7 +33,7 @@ def test_health_is_503_while_loading_then_200(tiny, monkeypatch, poll) -> None:
         return real_from_config(cls, cfg)
 
     monkeypatch.setattr(AsyncEngine, "from_config", classmethod(gated))
-    with TestClient(create_app(config)) as client:
+    with TestClient(create_app(config), base_url=LOCAL) as client:
         health = client.get("/health")
         assert health.status_code == 503 and health.json()["status"] == "loading"
         for response in (client.get("/v1/models"), client.get("/v1/stats"),
@@ -48,7 +50,7 @@ def test_health_is_503_while_loading_then_200(tiny, monkeypatch, poll) -> None:
 def test_failed_load_is_reported_and_asks_to_exit(tmp_path, poll) -> None:
     exit_codes: list[int] = []
     config = EngineConfig(model=str(tmp_path / "no-such-model"))
-    with TestClient(create_app(config, request_exit=exit_codes.append)) as client:
+    with TestClient(create_app(config, request_exit=exit_codes.append), base_url=LOCAL) as client:
         health = poll(lambda: client.get("/health").json(), lambda h: h["status"] == "error")
         assert "model not found" in health["error"]
         assert client.get("/health").status_code == 503
@@ -60,8 +62,12 @@ def test_failed_load_is_reported_and_asks_to_exit(tmp_path, poll) -> None:
 def test_shutdown_route_asks_the_server_to_exit(tiny) -> None:
     config, engine = tiny
     exit_codes: list[int] = []
-    with TestClient(create_app(config, engine=engine, request_exit=exit_codes.append)) as client:
-        response = client.post("/admin/shutdown")
+    with TestClient(create_app(config, engine=engine, request_exit=exit_codes.append),
+                    base_url=LOCAL) as client:
+        refused = client.post("/admin/shutdown")  # a web page cannot stop a keyless daemon
+        assert refused.status_code == 401 and refused.json()["error"]["code"] == "missing_token"
+        token = client.app.state.agentd.cli_token
+        response = client.post("/admin/shutdown", headers={"x-agentd-token": token})
         assert response.status_code == 202 and response.json()["status"] == "stopping"
     assert exit_codes == [0]
     assert engine.running  # an engine passed in belongs to the caller: still running
@@ -103,7 +109,7 @@ def test_non_stream_disconnect_aborts_and_frees_blocks(live_url: str, wait_idle)
     assert reply.status_code == 200
 
 
-def test_shutdown_aborts_streams_after_the_grace_period(tiny, poll) -> None:
+def test_shutdown_aborts_streams_after_the_grace_period(tiny, poll, tmp_path) -> None:
     """``serve`` (what ``agentd start`` runs): a stream still running when the grace period ends
     is aborted cleanly — a final ``abort`` chunk and ``[DONE]`` — and serve returns 0."""
     from agentd.server.serve import serve
@@ -114,14 +120,16 @@ def test_shutdown_aborts_streams_after_the_grace_period(tiny, poll) -> None:
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     status: list[int] = []
     thread = threading.Thread(daemon=True, target=lambda: status.append(serve(
-        config, ServerSettings(shutdown_grace_s=1.0), sock, log_level="warning")))
+        config, ServerSettings(shutdown_grace_s=1.0, state_dir=tmp_path), sock,
+        log_level="warning")))
     thread.start()
     poll(lambda: _health_code(url), lambda code: code == 200)
+    token = {"x-agentd-token": (tmp_path / "cli.token").read_text().strip()}
     with httpx.stream("POST", f"{url}/v1/chat/completions", json={**LONG, "stream": True},
                       timeout=60) as response:
         lines = response.iter_lines()
         assert next(lines).startswith("data: ")
-        assert httpx.post(f"{url}/admin/shutdown").status_code == 202
+        assert httpx.post(f"{url}/admin/shutdown", headers=token).status_code == 202
         data = [line for line in lines if line.startswith("data: ")]
     assert data[-1] == "data: [DONE]"
     assert '"finish_reason":"abort"' in data[-2]

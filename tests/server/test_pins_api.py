@@ -23,6 +23,8 @@ from agentd.config import EngineConfig
 from agentd.server.app import create_app
 from agentd.server.state import ServerSettings
 
+LOCAL = "http://127.0.0.1"  # a Host header the daemon answers to (testserver.local is not)
+
 BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4  # tiny llama: layers * K/V * block * kv heads * dim * fp32
 NUM_BLOCKS = 320  # budget (0.5) = 160 blocks: the research pin (143 blocks) fits, little more
 USER_MESSAGES = ("Find recent work on solid-state batteries.", "What is 17% of 2,340?",
@@ -73,7 +75,7 @@ def make_client(engines, wait_idle) -> Iterator[Any]:
         engine = engines[template]
         app = create_app(EngineConfig(), engine=engine,
                          settings=ServerSettings(state_dir=state_dir))
-        client = TestClient(app)
+        client = TestClient(app, base_url=LOCAL)
         client.__enter__()
         opened.append((client, engine))
         return client
@@ -299,10 +301,12 @@ def test_restore_on_start_from_the_state_dir(engines, research: dict, tmp_path: 
     the first app's pin is dropped first, as a restart would)."""
     engine = engines["chatml"]
     settings = ServerSettings(state_dir=tmp_path)
-    with TestClient(create_app(EngineConfig(), engine=engine, settings=settings)) as first:
+    with TestClient(create_app(EngineConfig(), engine=engine, settings=settings),
+                    base_url=LOCAL) as first:
         info = pin(first, research["system"], tools=research["tools"]).json()
     _unpin_all(engine)
-    with TestClient(create_app(EngineConfig(), engine=engine, settings=settings)) as second:
+    with TestClient(create_app(EngineConfig(), engine=engine, settings=settings),
+                    base_url=LOCAL) as second:
         assert [p["name"] for p in second.get("/v1/pins").json()["data"]] == ["research"]
         (report,) = second.get("/v1/stats").json()["pin_restore"]
         assert report["source"] == "snapshot" and report["num_tokens"] == info["num_tokens"]
@@ -366,7 +370,7 @@ def test_near_miss_metric(client: TestClient, research: dict) -> None:
 def test_pins_need_the_api_key(engines) -> None:
     app = create_app(EngineConfig(), engine=engines["chatml"],
                      settings=ServerSettings(api_keys=("k1",)))
-    with TestClient(app) as client:
+    with TestClient(app, base_url=LOCAL) as client:
         assert error(client.get("/v1/pins"), 401)["type"] == "authentication_error"
         assert client.get("/v1/pins", headers={"Authorization": "Bearer k1"}).status_code == 200
 

@@ -1,0 +1,281 @@
+"""Tool calls and JSON that always parse, end to end: a real daemon with the default model
+(SmolLM2-135M), the real ``openai`` SDK, and the agent frameworks themselves (openai-agents,
+LangChain). Every call is checked against its schema with the ``jsonschema`` library, never
+with agentd's own code."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from importlib import resources
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+
+MODEL = "SmolLM2-135M-Instruct"
+WORKLOADS = ("coding_agent", "support_agent", "research_agent")
+NUM_PROMPTS = 50  # per workload: its single turns, then its conversations' first messages
+CONCURRENCY = 16
+MAX_TOKENS = 256
+
+
+def workload(name: str) -> dict[str, Any]:
+    return json.loads(resources.files("agentd.workloads").joinpath(f"{name}.json").read_text())
+
+
+def prompts_of(data: dict[str, Any]) -> list[str]:
+    firsts = [c[0]["content"] for c in data["conversations"] if c and c[0]["role"] == "user"]
+    prompts = (data["turns"] + firsts)[:NUM_PROMPTS]
+    assert len(prompts) == NUM_PROMPTS
+    return prompts
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory, daemon_process) -> Iterator[str]:
+    with daemon_process(tmp_path_factory.mktemp("agentd-state"), "--log-level", "warning") as d:
+        yield d.url
+
+
+@pytest.fixture(scope="module")
+def client(daemon: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{daemon}/v1", api_key="unused", max_retries=0)
+
+
+async def gather_limited(calls: list[Any]) -> list[Any]:
+    gate = asyncio.Semaphore(CONCURRENCY)
+
+    async def one(call: Any) -> Any:
+        async with gate:
+            return await call
+
+    return await asyncio.gather(*(one(c) for c in calls))
+
+
+def check_calls(message: Any, tools: list[dict[str, Any]], only: str | None = None) -> None:
+    """Every call names a tool and its arguments validate against that tool's schema."""
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    assert message.tool_calls, f"no tool call; content: {message.content!r}"
+    for call in message.tool_calls:
+        assert call.type == "function" and call.id
+        assert call.function.name in schemas
+        assert only is None or call.function.name == only
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+@pytest.mark.parametrize("name", WORKLOADS)
+def test_required_and_named_calls_always_validate(daemon: str, name: str) -> None:
+    data = workload(name)
+    tools, prompts = data["tools"], prompts_of(data)
+    names = [t["function"]["name"] for t in tools]
+
+    async def run() -> list[Any]:
+        async with openai.AsyncOpenAI(base_url=f"{daemon}/v1", api_key="unused",
+                                      max_retries=0, timeout=600) as client:
+            def ask(prompt: str, choice: Any) -> Any:
+                return client.chat.completions.create(
+                    model=MODEL, temperature=0, max_tokens=MAX_TOKENS, tools=tools,
+                    tool_choice=choice, messages=[{"role": "system", "content": data["system"]},
+                                                  {"role": "user", "content": prompt}])
+            required = [ask(p, "required") for p in prompts]
+            named = [ask(p, {"type": "function", "function": {"name": names[i % len(names)]}})
+                     for i, p in enumerate(prompts)]
+            return await gather_limited(required + named)
+
+    replies = asyncio.run(run())
+    for i, reply in enumerate(replies):
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls", (prompts[i % NUM_PROMPTS], choice)
+        assert choice.message.content is None
+        named = names[(i - NUM_PROMPTS) % len(names)] if i >= NUM_PROMPTS else None
+        check_calls(choice.message, tools, only=named)
+        assert named is None or len(choice.message.tool_calls) == 1
+
+
+def test_auto_calls_that_appear_validate(daemon: str) -> None:
+    data = workload("support_agent")
+    tools = data["tools"]
+
+    async def run() -> list[Any]:
+        async with openai.AsyncOpenAI(base_url=f"{daemon}/v1", api_key="unused",
+                                      max_retries=0, timeout=600) as client:
+            return await gather_limited([client.chat.completions.create(
+                model=MODEL, temperature=0, max_tokens=128, tools=tools,
+                messages=[{"role": "system", "content": data["system"]},
+                          {"role": "user", "content": prompt}])
+                for prompt in prompts_of(data)[:24]])
+
+    replies = asyncio.run(run())
+    with_calls = [r for r in replies if r.choices[0].message.tool_calls]
+    for reply in replies:
+        if reply.choices[0].message.tool_calls and reply.choices[0].finish_reason != "length":
+            assert reply.choices[0].finish_reason == "tool_calls"
+            check_calls(reply.choices[0].message, tools)
+    assert with_calls  # the model does open calls on its own; each one parsed above
+
+
+SCHEMAS: list[dict[str, Any]] = [
+    {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                      "temperature_c": {"type": "number", "minimum": -60,
+                                                        "maximum": 60}},
+     "required": ["city", "temperature_c"]},
+    {"type": "object", "properties": {"sentiment": {"enum": ["positive", "neutral", "negative"]},
+                                      "confidence": {"type": "number", "minimum": 0,
+                                                     "maximum": 1}},
+     "required": ["sentiment", "confidence"]},
+    {"type": "object", "properties": {"items": {"type": "array", "minItems": 1, "maxItems": 4,
+                                                "items": {"type": "string", "maxLength": 30}}},
+     "required": ["items"]},
+    {"type": "object", "properties": {"person": {
+        "type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
+                                         "age": {"type": "integer", "minimum": 0,
+                                                 "maximum": 130}},
+        "required": ["name", "age"]}}, "required": ["person"]},
+    {"type": "object", "properties": {"is_bug": {"type": "boolean"},
+                                      "severity": {"type": "integer", "minimum": 1,
+                                                   "maximum": 5}},
+     "required": ["is_bug", "severity"]},
+    {"type": "object", "properties": {"steps": {"type": "array", "maxItems": 3, "items": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9},
+                                         "action": {"type": "string", "maxLength": 40}},
+        "required": ["n", "action"]}}}, "required": ["steps"]},
+    {"type": "object", "properties": {"language": {"enum": ["python", "rust", "go", "c"]},
+                                      "lines": {"type": "integer", "minimum": 1,
+                                                "maximum": 10000}},
+     "required": ["language", "lines"]},
+    {"type": "object", "properties": {"answer": {"type": "string", "maxLength": 80},
+                                      "sources": {"type": "array", "maxItems": 2, "items": {
+                                          "type": "string", "maxLength": 40}}},
+     "required": ["answer", "sources"]},
+    {"type": "object", "properties": {"price": {"type": "number", "exclusiveMinimum": 0,
+                                                "maximum": 1000},
+                                      "currency": {"enum": ["USD", "EUR", "GBP"]}},
+     "required": ["price", "currency"]},
+    {"type": "object", "properties": {"date": {"type": "string",
+                                               "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"},
+                                      "event": {"type": "string", "maxLength": 40}},
+     "required": ["date", "event"]},
+]
+QUESTIONS = [
+    "What's the weather in Lisbon today?", "Classify: 'the update broke my build again'.",
+    "List a few things to pack for a beach trip.", "Who wrote Hamlet, and how old was he?",
+    "The login page crashes on submit. Is it a bug, and how bad?",
+    "How do I deploy a static site?", "Which language is the Linux kernel written in?",
+    "What is the capital of Japan?", "How much does a good keyboard cost?",
+    "When did the first moon landing happen?",
+]
+
+
+def test_json_schema_replies_validate(client: openai.OpenAI) -> None:
+    """20 schemas: each of the ten above as given, and in strict mode."""
+    for strict in (False, True):
+        for i, (schema, question) in enumerate(zip(SCHEMAS, QUESTIONS, strict=True)):
+            fmt = {"type": "json_schema",
+                   "json_schema": {"name": f"s{i}", "schema": schema, "strict": strict}}
+            reply = client.chat.completions.create(
+                model=MODEL, temperature=0, max_tokens=MAX_TOKENS, response_format=fmt,
+                messages=[{"role": "user", "content": question + " Answer in JSON."}])
+            choice = reply.choices[0]
+            assert choice.finish_reason == "stop", (schema, choice.message.content)
+            value = json.loads(choice.message.content)
+            jsonschema.validate(value, schema)
+            if strict:  # strict mode: every property present
+                assert set(value) == set(schema["properties"])
+
+
+def test_json_object_reply(client: openai.OpenAI) -> None:
+    reply = client.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=MAX_TOKENS, response_format={"type": "json_object"},
+        messages=[{"role": "user", "content": "Reply in JSON with the keys name and age for "
+                                              "a cat called Tom, aged 3."}])
+    assert reply.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(reply.choices[0].message.content), dict)
+
+
+def test_streamed_call_arrives_as_openai_streams_it(client: openai.OpenAI) -> None:
+    data = workload("coding_agent")
+    chunks = list(client.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=MAX_TOKENS, tools=data["tools"], stream=True,
+        tool_choice="required", messages=[{"role": "system", "content": data["system"]},
+                                          {"role": "user", "content": data["turns"][3]}]))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    calls = [d.tool_calls[0] for d in deltas if d.tool_calls]
+    assert calls[0].id and calls[0].function.name and calls[0].function.arguments == ""
+    assert len(calls) > 2 and all(c.id is None and c.function.name is None for c in calls[1:])
+    arguments = "".join(c.function.arguments for c in calls)
+    schema = next(t["function"]["parameters"] for t in data["tools"]
+                  if t["function"]["name"] == calls[0].function.name)
+    jsonschema.validate(json.loads(arguments), schema)
+    assert not any(d.content for d in deltas)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+# --- the agent frameworks -------------------------------------------------------------------
+
+def test_openai_agents_runs_a_tool_and_answers(daemon: str) -> None:
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)
+    ran: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """Get the current weather for a city."""
+        ran.append(city)
+        return f"It is 18 C and sunny in {city}."
+
+    client = openai.AsyncOpenAI(base_url=f"{daemon}/v1", api_key="unused", max_retries=0)
+    agent = agents.Agent(
+        name="weather", instructions="Use the get_weather tool, then answer in one sentence.",
+        tools=[get_weather], model=agents.OpenAIChatCompletionsModel(MODEL, client),
+        model_settings=agents.ModelSettings(tool_choice="required", temperature=0,
+                                            max_tokens=96))
+    result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
+    assert ran  # the tool was called with parsed arguments and executed
+    assert isinstance(result.final_output, str) and result.final_output.strip()
+    assert "<tool_call>" not in result.final_output
+
+
+def test_openai_agents_output_type_is_parsed(daemon: str) -> None:
+    agents = pytest.importorskip("agents")
+    pydantic = pytest.importorskip("pydantic")
+    agents.set_tracing_disabled(True)
+
+    class Weather(pydantic.BaseModel):
+        city: str
+        temperature_c: int
+
+    client = openai.AsyncOpenAI(base_url=f"{daemon}/v1", api_key="unused", max_retries=0)
+    agent = agents.Agent(
+        name="extract", instructions="Extract the city and temperature.", output_type=Weather,
+        model=agents.OpenAIChatCompletionsModel(MODEL, client),
+        model_settings=agents.ModelSettings(temperature=0, max_tokens=64))
+    result = agents.Runner.run_sync(agent, "In Oslo it is 4 degrees Celsius.", max_turns=2)
+    assert isinstance(result.final_output, Weather)
+
+
+def test_langchain_bind_tools_and_structured_output(daemon: str) -> None:
+    langchain_openai = pytest.importorskip("langchain_openai")
+    pydantic = pytest.importorskip("pydantic")
+
+    class Weather(pydantic.BaseModel):
+        """The weather in a city."""
+
+        city: str
+        temperature_c: int
+
+    def get_weather(city: str) -> str:
+        """Get the current weather for a city."""
+        return city
+
+    llm = langchain_openai.ChatOpenAI(base_url=f"{daemon}/v1", api_key="unused", model=MODEL,
+                                      temperature=0, max_tokens=96, max_retries=0)
+    message = llm.bind_tools([get_weather], tool_choice="required").invoke(
+        "What is the weather in Rome?")
+    (call,) = message.tool_calls
+    assert call["name"] == "get_weather" and isinstance(call["args"]["city"], str)
+    weather = llm.with_structured_output(Weather).invoke("In Oslo it is 4 degrees Celsius.")
+    assert isinstance(weather, Weather)

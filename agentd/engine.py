@@ -227,7 +227,10 @@ class LLMEngine:
         requests = [self.scheduler.requests[rid] for rid in result.request_ids]
         drafts = {s.request_id: s.token_ids[len(s.token_ids) - s.num_draft_tokens:]
                   for s in out.scheduled if s.num_draft_tokens}
-        dead_ends = set(self.structured.apply(result.logits, result.request_ids, drafts))
+        outputs = {r.request_id: r.output_token_ids for r in requests
+                   if r.request_id in self.structured}
+        dead_ends = set(self.structured.apply(result.logits, result.request_ids, drafts,
+                                              outputs))
         token_ids = self.speculator.sample(self.sampler, result.logits, requests, drafts)
         now = time.monotonic()
         for request in self.scheduler.update_from_output(out, token_ids):

@@ -31,6 +31,7 @@ from agentd.structured.params import (
     ToolCallsSpec,
     call_opening,
 )
+from agentd.structured.repetition import bound_numbers
 
 MAX_CACHED_GRAMMARS = 128
 _CPP_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
@@ -87,9 +88,8 @@ class GrammarCompiler:
                 return compiler.compile_structural_tag(tool_calls_tag(params.tool_calls))
             if kind in ("json", "json_object"):
                 schema = params.json if kind == "json" else {"type": "object"}
-                return compiler.compile_json_schema(
-                    json.dumps(schema), any_whitespace=params.any_whitespace,
-                    separators=None if params.any_whitespace else JSON_SEPARATORS)
+                return compiler.compile_grammar(_json_grammar(schema, "the JSON schema",
+                                                              params.any_whitespace))
             if kind == "regex":
                 return compiler.compile_regex(params.regex)
             if kind == "choice":
@@ -129,16 +129,18 @@ def _arguments_grammar(function: FunctionSpec) -> str:
     return _json_grammar(function.schema, f"the parameters schema of function {function.name!r}")
 
 
-def _json_grammar(schema: Any, what: str) -> str:
-    """EBNF text for compact JSON valid against ``schema`` (to embed in a structural tag)."""
+def _json_grammar(schema: Any, what: str, any_whitespace: bool = False) -> str:
+    """EBNF text for JSON valid against ``schema`` (compact unless ``any_whitespace``), its
+    numbers bounded (``agentd.structured.repetition``)."""
     import xgrammar as xgr
 
     try:
-        grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False,
-                                               separators=JSON_SEPARATORS, strict_mode=True)
+        grammar = xgr.Grammar.from_json_schema(
+            json.dumps(schema), any_whitespace=any_whitespace,
+            separators=None if any_whitespace else JSON_SEPARATORS, strict_mode=True)
     except Exception as exc:
         raise GrammarError(f"{what} cannot be compiled: {_reason(exc)}") from exc
-    return str(grammar)
+    return bound_numbers(str(grammar))
 
 
 def _ebnf_string(text: str) -> str:

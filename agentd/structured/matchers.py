@@ -8,10 +8,12 @@ be without any constrained request in the batch.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+
+from agentd.structured.repetition import loop_tokens
 
 
 class StructuredOutputs:
@@ -37,17 +39,22 @@ class StructuredOutputs:
         self._matchers.pop(request_id, None)
 
     def apply(self, logits: torch.Tensor, request_ids: list[str],
-              drafts: Mapping[str, list[int]] | None = None) -> list[str]:
+              drafts: Mapping[str, list[int]] | None = None,
+              outputs: Mapping[str, Sequence[int]] | None = None) -> list[str]:
         """Mask, in place, the rows of ``logits`` whose request is constrained.
 
         Rows come in ``request_ids`` order, 1 + ``len(drafts[rid])`` per request: a drafting
         request's row i follows its tokens and ``draft[:i]``, so its mask is the grammar's after
         those draft tokens (accepted, the masks filled, then rolled back).
 
+        ``outputs``: the requests' output token ids so far; a verbatim loop at their end has
+        the token that would continue it masked out of the first row
+        (``agentd.structured.repetition``).
+
         Returns the constrained requests whose grammar allows no token at all (a dead end that
         a correct grammar never reaches); their rows are left unmasked.
         """
-        drafts = drafts or {}
+        drafts, outputs = drafts or {}, outputs or {}
         rows: list[tuple[str, int, list[int]]] = []  # (request id, first row, draft)
         num_rows = 0
         for rid in request_ids:
@@ -65,6 +72,7 @@ class StructuredOutputs:
             if not self._fill(rid, bitmask, first):
                 dead.append(rid)
                 continue
+            _ban_loop(bitmask[first], outputs.get(rid, ()))
             masked.extend(self._fill_draft_rows(rid, bitmask, first, draft))
         if masked:
             xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size,
@@ -143,3 +151,18 @@ class StructuredOutputs:
 
             self._bitmask = xgr.allocate_token_bitmask(max(num_rows, 8), self.vocab_size)
         return self._bitmask[:num_rows]
+
+
+def _ban_loop(row: torch.Tensor, output_ids: Sequence[int]) -> None:
+    """Clear the bits of the tokens that would repeat an earlier run verbatim, unless nothing
+    would be left (then the grammar itself ends the value soon)."""
+    tokens = loop_tokens(output_ids)
+    if not tokens:
+        return
+    kept = row.clone()
+    for token_id in tokens:
+        word, bit = divmod(token_id, 32)
+        value = int(kept[word]) & ~(1 << bit)
+        kept[word] = value - (1 << 32) if value >= 1 << 31 else value
+    if bool(kept.any()):
+        row.copy_(kept)

@@ -160,3 +160,28 @@ def test_offline_chat_with_tools_is_constrained(llm: LLM) -> None:
     with pytest.raises(ValueError, match="not in tools"):
         llm.chat(user, greedy(), tools=tools,
                  tool_choice={"type": "function", "function": {"name": "nope"}})
+
+
+def test_a_verbatim_loop_loses_its_next_token(llm: LLM) -> None:
+    """In a free string, the token that would go round a loop once more is masked out; the
+    rest of the grammar's mask stays."""
+    import torch
+
+    from agentd.structured.matchers import StructuredOutputs
+
+    engine = llm.engine
+    grammar = engine.grammars.compile(StructuredOutputsParams(
+        json={"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]}))
+    prefix = llm.tokenizer('{"s": "', add_special_tokens=False).input_ids
+    cycle = llm.tokenizer("ab-cd-", add_special_tokens=False).input_ids
+    output = prefix + cycle * (40 // len(cycle) + 1)
+    masks = {}
+    for looping in (False, True):
+        structured = StructuredOutputs(engine.loaded.model.dims.vocab_size)
+        structured.add("r", grammar)
+        assert all(structured.accept("r", t) for t in output)
+        logits = torch.zeros(1, structured.vocab_size)
+        assert structured.apply(logits, ["r"], outputs={"r": output} if looping else None) == []
+        masks[looping] = torch.isfinite(logits[0])
+    assert masks[False][cycle[0]] and not masks[True][cycle[0]]
+    assert (masks[False] & ~masks[True]).sum() == 1  # nothing else was taken away

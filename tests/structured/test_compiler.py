@@ -192,3 +192,31 @@ def test_key_is_canonical() -> None:
     assert a.key == b.key
     assert a.key != StructuredOutputsParams(json={"b": 1}).key
     assert calls("auto", WEATHER).key != calls("required", WEATHER).key
+
+
+def test_numbers_are_bounded(compiler: GrammarCompiler) -> None:
+    """16 digits before the point and 15 after at most: a looping model cannot write a number
+    until max_tokens."""
+    params = StructuredOutputsParams(json={"type": "object", "properties": {
+        "n": {"type": "integer"}, "x": {"type": "number"}}, "required": ["n", "x"]})
+    assert accepts(compiler, params, '{"n": ' + "9" * 16 + ', "x": 1.' + "5" * 15 + "}")
+    assert not accepts(compiler, params, '{"n": ' + "9" * 17 + ', "x": 1.5}')
+    assert not accepts(compiler, params, '{"n": 1, "x": 1.' + "5" * 16 + "}")
+    tools = calls("required", FunctionSpec.build("f", {"type": "object", "properties": {
+        "n": {"type": "integer"}}}))
+    assert not accepts(compiler, tools, call("f", {"n": int("1" + "0" * 16)}))
+
+
+def test_loop_tokens_are_those_that_would_repeat_a_long_run() -> None:
+    from agentd.structured.repetition import MIN_REPEAT, loop_tokens
+
+    assert loop_tokens([7] * (MIN_REPEAT + 1)) == {7}
+    assert loop_tokens([7] * MIN_REPEAT) == set()
+    cycle = [1, 2, 3, 4, 5]
+    looping = [9, 9] + cycle * 8
+    assert loop_tokens(looping) == {1}  # the token that goes round again
+    assert loop_tokens(looping[:-2]) == {4}
+    assert loop_tokens(list(range(100))) == set()
+    run = list(range(50, 50 + MIN_REPEAT))
+    assert loop_tokens(run + [1] + run + [2] + run) == {1, 2}  # every earlier follower
+    assert loop_tokens(run[1:] + [0] + run) == set()  # one token short of a repeat

@@ -162,7 +162,7 @@ def _ban_loop(row: torch.Tensor, output_ids: Sequence[int]) -> None:
     kept = row.clone()
     for token_id in tokens:
         word, bit = divmod(token_id, 32)
-        value = int(kept[word]) & ~(1 << bit)
+        value = int(kept[word]) & 0xFFFFFFFF & ~(1 << bit)  # the word as unsigned, bit cleared
         kept[word] = value - (1 << 32) if value >= 1 << 31 else value
     if bool(kept.any()):
         row.copy_(kept)

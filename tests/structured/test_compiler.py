@@ -220,3 +220,20 @@ def test_loop_tokens_are_those_that_would_repeat_a_long_run() -> None:
     run = list(range(50, 50 + MIN_REPEAT))
     assert loop_tokens(run + [1] + run + [2] + run) == {1, 2}  # every earlier follower
     assert loop_tokens(run[1:] + [0] + run) == set()  # one token short of a repeat
+
+
+@pytest.mark.parametrize("token_id", [0, 5, 31, 32, 63, 95])
+def test_loop_ban_clears_exactly_that_bit_of_a_full_word(token_id: int) -> None:
+    """The bitmask is int32: a word with bit 31 set is negative, and clearing any of its bits
+    must leave the other 31 set (the failure seen: bit 31 cleared in Python's unbounded ints
+    gave a value below int32's range and failed the whole engine step)."""
+    import xgrammar as xgr
+
+    from agentd.structured.matchers import _ban_loop
+    from agentd.structured.repetition import MIN_REPEAT
+
+    vocab = 96
+    row = xgr.allocate_token_bitmask(1, vocab)[0]  # all allowed: every word is -1
+    _ban_loop(row, [token_id] * (MIN_REPEAT + 1))
+    allowed = [(int(row[t // 32]) >> (t % 32)) & 1 for t in range(vocab)]
+    assert allowed == [int(t != token_id) for t in range(vocab)]

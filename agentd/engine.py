@@ -97,7 +97,8 @@ class LLMEngine:
         self.speculator = make_speculator(config.speculative)
         vocab_size = model.dims.vocab_size
         self.grammars = GrammarCompiler(self.tokenizer, vocab_size, self.loaded.eos_token_ids)
-        self.structured = StructuredOutputs(vocab_size)
+        self.structured = StructuredOutputs(vocab_size, self.grammars.decoded_vocab,
+                                            self.loaded.eos_token_ids)
         self.pins = PinManager(self.kv_cache, self.tokenizer,
                                int(config.max_pinned_fraction * self.num_blocks))
         self.scheduler.prefix_extension = self.pins.tail_after
@@ -227,10 +228,12 @@ class LLMEngine:
         requests = [self.scheduler.requests[rid] for rid in result.request_ids]
         drafts = {s.request_id: s.token_ids[len(s.token_ids) - s.num_draft_tokens:]
                   for s in out.scheduled if s.num_draft_tokens}
-        outputs = {r.request_id: r.output_token_ids for r in requests
-                   if r.request_id in self.structured}
+        constrained = [r for r in requests if r.request_id in self.structured]
+        outputs = {r.request_id: r.output_token_ids for r in constrained}
+        closing = {r.request_id for r in constrained if self.structured.needs_closing(
+            r.request_id, r.max_output_tokens - r.num_output_tokens)}
         dead_ends = set(self.structured.apply(result.logits, result.request_ids, drafts,
-                                              outputs))
+                                              outputs, closing))
         token_ids = self.speculator.sample(self.sampler, result.logits, requests, drafts)
         now = time.monotonic()
         for request in self.scheduler.update_from_output(out, token_ids):

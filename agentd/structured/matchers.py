@@ -4,25 +4,56 @@ Invariant: a matcher has accepted exactly the request's output tokens so far, so
 allows exactly the tokens that keep the output a prefix of a sentence of the grammar. Rows of
 unconstrained requests are never touched: their logits, and so their tokens, are what they would
 be without any constrained request in the batch.
+
+Two guards keep a small model's constrained output finite (it can loop inside a JSON string until
+``max_tokens`` and leave a call that does not parse): a token that would repeat a long run
+verbatim is masked (``agentd.structured.repetition``), and once a request has only the budget
+it needs to finish (``cost_to_close``, estimated on a fork of its matcher) its mask is held to
+one token of the cheapest way on: the open string's quote, a closing brace or bracket, the
+shortest value, forced text, or the stop token where the output may end. Optional members are
+left out, the forced rest (keys, braces, the call's closing tag) comes by jump-forward, draft
+rows are held the same way, and no further call is opened with ``CLOSING_HORIZON`` tokens or
+fewer left. Free text (the part of an "auto" turn before a call) is never cut short.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import string
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from agentd.structured.repetition import loop_tokens
 
+CLOSING_HORIZON = 64  # budgets (tokens left) at which the cost of closing is checked
+CLOSING_MARGIN = 6
+# the cheapest ways on, in order: end a string, a structure or a number, else start the shortest
+# value; in other places (a key, an enum, a string with a format or pattern) the model chooses
+_CLOSING_STEPS = ('"', "}", "]", ",", "0", "1", "false", "null",
+                  # the way out of an email address (format "email"), a character at a time
+                  '@a.co"', 'a.co"', '.co"', 'co"', 'o"')
+# for the estimate only, where the model chooses: any printable character on
+_ANY_STEPS = (*string.ascii_letters, *string.digits, *string.punctuation, " ")
+_CONTENT_REPEATS = 24  # a step the grammar takes this many times over is content, not a way out
+MAX_TOKEN_BYTES = 32
+_MAX_CLOSING_STEPS = 64
+
 
 class StructuredOutputs:
     """Matchers by request id; masks logits rows and advances matchers with sampled tokens."""
 
-    def __init__(self, vocab_size: int) -> None:
+    def __init__(self, vocab_size: int,
+                 decoded_vocab: Callable[[], Sequence[bytes]] | None = None,
+                 stop_token_ids: Sequence[int] = ()) -> None:
         self.vocab_size = vocab_size
         self._matchers: dict[str, Any] = {}
         self._bitmask: torch.Tensor | None = None
+        self._decoded_vocab = decoded_vocab
+        self._vocab_index: dict[bytes, int] | None = None  # built on first use
+        self._vocab_text: dict[int, str] = {}
+        self._closing: set[str] = set()
+        self._stop_words = [divmod(t, 32) for t in stop_token_ids if 0 <= t < vocab_size]
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._matchers
@@ -37,10 +68,52 @@ class StructuredOutputs:
 
     def remove(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
+        self._closing.discard(request_id)
+
+    def needs_closing(self, request_id: str, budget: int) -> bool:
+        """True once the request must close its structure to finish within ``budget`` more
+        tokens (and from then on)."""
+        if request_id in self._closing:
+            return True
+        matcher = self._matchers.get(request_id)
+        if budget > CLOSING_HORIZON or matcher is None:
+            return False
+        if matcher.is_completed():  # it may end here: between calls, or in free text
+            if matcher.fork().accept_string("x"):
+                return False  # free text ends as unconstrained text does
+            self._closing.add(request_id)  # no new call on what is left
+            return True
+        if self.cost_to_close(request_id) + CLOSING_MARGIN >= budget:
+            self._closing.add(request_id)
+            return True
+        return False
+
+    def cost_to_close(self, request_id: str) -> int:
+        """About how many tokens the shortest way to the end of the output takes from here:
+        forced text (as many tokens as greedy longest matches in the vocabulary, plus one), one
+        token per closing step, and the stop token; estimated on a fork, the matcher is
+        untouched."""
+        fork = self._matchers[request_id].fork()
+        cost = 1  # the stop token
+        for _ in range(_MAX_CLOSING_STEPS):
+            if fork.is_completed() or fork.is_terminated():
+                return cost
+            forced = fork.find_jump_forward_string()
+            if forced:
+                fork.accept_string(forced)
+                cost += self._num_tokens(forced) + 1
+                continue
+            step = _closing_step(fork, estimate=True)
+            if step is None:
+                return cost + _MAX_CLOSING_STEPS  # no cheap way on: close at once
+            fork.accept_string(step)
+            cost += 1
+        return cost
 
     def apply(self, logits: torch.Tensor, request_ids: list[str],
               drafts: Mapping[str, list[int]] | None = None,
-              outputs: Mapping[str, Sequence[int]] | None = None) -> list[str]:
+              outputs: Mapping[str, Sequence[int]] | None = None,
+              closing: Collection[str] = ()) -> list[str]:
         """Mask, in place, the rows of ``logits`` whose request is constrained.
 
         Rows come in ``request_ids`` order, 1 + ``len(drafts[rid])`` per request: a drafting
@@ -49,7 +122,9 @@ class StructuredOutputs:
 
         ``outputs``: the requests' output token ids so far; a verbatim loop at their end has
         the token that would continue it masked out of the first row
-        (``agentd.structured.repetition``).
+        (``agentd.structured.repetition``). ``closing``: requests near their budget
+        (``needs_closing``), whose rows are held to closing tokens where the grammar allows
+        one.
 
         Returns the constrained requests whose grammar allows no token at all (a dead end that
         a correct grammar never reaches); their rows are left unmasked.
@@ -73,14 +148,16 @@ class StructuredOutputs:
                 dead.append(rid)
                 continue
             _ban_loop(bitmask[first], outputs.get(rid, ()))
-            masked.extend(self._fill_draft_rows(rid, bitmask, first, draft))
+            if rid in closing:
+                self._close(rid, bitmask[first])
+            masked.extend(self._fill_draft_rows(rid, bitmask, first, draft, rid in closing))
         if masked:
             xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size,
                                             indices=masked)
         return dead
 
     def _fill_draft_rows(self, rid: str, bitmask: torch.Tensor, first: int,
-                         draft: list[int]) -> list[int]:
+                         draft: list[int], closing: bool = False) -> list[int]:
         """Rows ``first + 1 ..``: the grammar after each draft token; the matcher is left as it
         was. A row after a draft token the grammar refuses repeats the mask before it (the
         verification stops at that token anyway)."""
@@ -90,6 +167,8 @@ class StructuredOutputs:
             if num_accepted == i - 1 and self.accept(rid, token_id):
                 num_accepted += 1
                 if self._fill(rid, bitmask, first + i):
+                    if closing:
+                        self._close(rid, bitmask[first + i])
                     continue
             bitmask[first + i] = bitmask[first + i - 1]
         if num_accepted:
@@ -145,12 +224,69 @@ class StructuredOutputs:
         matcher = self._matchers.get(request_id)
         return "" if matcher is None else matcher.find_jump_forward_string()
 
+    def _close(self, request_id: str, row: torch.Tensor) -> None:
+        """Hold a row inside a structure to the token of its cheapest way on, if the row
+        allows it."""
+        if self._decoded_vocab is None:
+            return
+        stops = [w * 32 + b for w, b in self._stop_words if (int(row[w]) >> b) & 1]
+        if stops:  # the output may end here: it does
+            token_id: int | None = stops[0]
+        else:
+            matcher = self._matchers[request_id]
+            step = matcher.find_jump_forward_string() or _closing_step(matcher)
+            token_id = self._token_for(step) if step else None
+        if token_id is None or not (int(row[token_id // 32]) >> (token_id % 32)) & 1:
+            return
+        row.zero_()
+        word, bit = divmod(token_id, 32)
+        row[word] = -(1 << 31) if bit == 31 else 1 << bit
+
+    def _num_tokens(self, text: str) -> int:
+        """Tokens of ``text`` taken as greedy longest matches in the vocabulary."""
+        count = 0
+        while text:
+            token_id = self._token_for(text)
+            if token_id is None:
+                return count + len(text.encode())
+            text = text[len(self._vocab_text[token_id]):] if token_id in self._vocab_text else ""
+            count += 1
+        return count
+
+    def _token_for(self, text: str) -> int | None:
+        """The token whose text is the longest start of ``text``."""
+        if self._vocab_index is None:
+            assert self._decoded_vocab is not None
+            self._vocab_index = {t: i for i, t in enumerate(self._decoded_vocab())
+                                 if i < self.vocab_size and t}
+            self._vocab_text = {i: t.decode(errors="replace")
+                                for t, i in self._vocab_index.items()}
+        data = text.encode()[:MAX_TOKEN_BYTES]
+        for end in range(len(data), 0, -1):
+            token_id = self._vocab_index.get(data[:end])
+            if token_id is not None:
+                return token_id
+        return None
+
     def _bitmask_rows(self, num_rows: int) -> torch.Tensor:
         if self._bitmask is None or self._bitmask.shape[0] < num_rows:
             import xgrammar as xgr
 
             self._bitmask = xgr.allocate_token_bitmask(max(num_rows, 8), self.vocab_size)
         return self._bitmask[:num_rows]
+
+
+def _closing_step(matcher: Any, estimate: bool = False) -> str | None:
+    """The first closing step the grammar accepts here that is not content (a brace inside a
+    string is content: it is accepted ``_CONTENT_REPEATS`` times over). Tried on forks.
+    ``estimate``: failing those, any printable character the grammar accepts."""
+    for step in _CLOSING_STEPS:
+        if (matcher.fork().accept_string(step)
+                and not matcher.fork().accept_string(step * _CONTENT_REPEATS)):
+            return step
+    if estimate:
+        return next((c for c in _ANY_STEPS if matcher.fork().accept_string(c)), None)
+    return None
 
 
 def _ban_loop(row: torch.Tensor, output_ids: Sequence[int]) -> None:

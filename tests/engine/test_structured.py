@@ -185,3 +185,43 @@ def test_a_verbatim_loop_loses_its_next_token(llm: LLM) -> None:
         masks[looping] = torch.isfinite(logits[0])
     assert masks[False][cycle[0]] and not masks[True][cycle[0]]
     assert (masks[False] & ~masks[True]).sum() == 1  # nothing else was taken away
+
+
+OPEN_ENDED = {"type": "object", "additionalProperties": False, "required": ["note", "path"],
+              "properties": {"note": {"type": "string"}, "path": {"type": "string"},
+                             "extra": {"type": "array", "items": {"type": "string"}}}}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_open_ended_json_closes_within_max_tokens(llm: LLM, prompts: list[list[int]],
+                                                  temperature: float) -> None:
+    """Unbounded strings: random weights would write them until max_tokens and leave JSON that
+    does not parse; near the budget the structure is closed instead."""
+    params = StructuredOutputsParams(json=OPEN_ENDED)
+    for max_tokens in (24, 64):
+        outs = llm.generate(prompts, SamplingParams(temperature=temperature, seed=3,
+                                                    max_tokens=max_tokens,
+                                                    structured_outputs=params))
+        for out in outs:
+            assert out.finish_reason == "stop", out.text
+            assert len(out.token_ids) <= max_tokens
+            jsonschema.validate(json.loads(out.text), OPEN_ENDED)
+    calls = StructuredOutputsParams(tool_calls=ToolCallsSpec(
+        (FunctionSpec.build("write_note", OPEN_ENDED),), "required", parallel=True))
+    for out in llm.generate(prompts, SamplingParams(temperature=temperature, seed=3,
+                                                    max_tokens=80, structured_outputs=calls)):
+        assert out.finish_reason == "stop", out.text
+        body = out.text.split("<tool_call>\n", 1)[1].split("\n</tool_call>", 1)[0]
+        jsonschema.validate(json.loads(body)["arguments"], OPEN_ENDED)
+
+
+def test_without_closing_open_ended_json_runs_out(llm: LLM, prompts: list[list[int]],
+                                                  monkeypatch) -> None:
+    """The check above can fail: never closing, random weights do hit max_tokens."""
+    from agentd.structured.matchers import StructuredOutputs
+
+    monkeypatch.setattr(StructuredOutputs, "needs_closing", lambda self, rid, budget: False)
+    outs = llm.generate(prompts, SamplingParams(temperature=1.0, seed=3, max_tokens=24,
+                                                structured_outputs=StructuredOutputsParams(
+                                                    json=OPEN_ENDED)))
+    assert any(out.finish_reason == "length" for out in outs)

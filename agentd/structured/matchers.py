@@ -83,7 +83,9 @@ class StructuredOutputs:
                 return False  # free text ends as unconstrained text does
             self._closing.add(request_id)  # no new call on what is left
             return True
-        if self.cost_to_close(request_id) + CLOSING_MARGIN >= budget:
+        cost = self.cost_to_close(request_id)
+        # where the model chooses (a key, an enum) it may take a longer way than the estimate's
+        if cost + cost // 2 + CLOSING_MARGIN >= budget:
             self._closing.add(request_id)
             return True
         return False

@@ -29,6 +29,7 @@ from agentd.cache import (
 )
 from agentd.chat import common_prefix_len
 from agentd.request import Request
+from agentd.retention import RetainedStat, retained_stats
 from agentd.scheduler import ScheduledRequest
 
 _NEAR_MISS_KEEP = 256
@@ -113,6 +114,7 @@ class PinSummary:
     recent_near_misses: tuple[NearMiss, ...] = ()  # newest last
     num_near_misses: int = 0
     expired: tuple[PinKey, ...] = ()  # pins decayed by TTL that the registry owner has not synced
+    retained: tuple[RetainedStat, ...] = ()  # prefixes held by cache control, newest use first
 
 
 @dataclass
@@ -319,7 +321,8 @@ class PinManager:
     def summary(self, expired: tuple[str, ...] = ()) -> PinSummary:
         """An immutable copy of the pins' counters and the latest near misses (cheap: a few
         pins, a small counter)."""
-        if not len(self.registry) and not self.near_misses and not expired:
+        if (not len(self.registry) and not self.near_misses and not expired
+                and not len(self.registry.retained)):
             return _EMPTY_SUMMARY
         pins = tuple(PinStat(p.name, p.num_tokens, p.num_blocks_held, p.num_hits,
                              p.num_tokens_served, p.ttl_s, p.last_hit_s, p.created_s, p.owner)
@@ -327,7 +330,8 @@ class PinManager:
         counts = tuple(NearMissCount(key.owner, key.name, cause, n)
                        for (key, cause), n in self.near_miss_counts.most_common())
         recent = tuple(self.near_misses)[-_NEAR_MISS_RECENT:]
-        return PinSummary(pins, counts, recent, sum(self.near_miss_counts.values()), expired)
+        return PinSummary(pins, counts, recent, sum(self.near_miss_counts.values()), expired,
+                          retained_stats(self.registry))
 
     # --- accounting ------------------------------------------------------------------------
     def on_admitted(self, request: Request) -> None:

@@ -1,5 +1,6 @@
 """``agentd stats``: prefix-cache hit rate (overall and per pin), TTFT of hits vs misses, pool
-blocks, throughput and near misses, as rich tables, JSON, or a live view (``--watch``).
+blocks, throughput, prefixes retained by cache control, and near misses, as rich tables, JSON, or
+a live view (``--watch``).
 
 Invariant: read-only (``GET /v1/stats``, which answers from snapshots, so watching never slows
 the engine); ``--watch`` runs until Ctrl-C and then exits 0.
@@ -18,6 +19,7 @@ from agentd.cli.pins import compact_table, short_duration
 from agentd.cli.status import format_duration
 
 NUM_NEAR_MISSES_SHOWN = 5
+NUM_RETAINED_SHOWN = 10
 
 
 @click.command()
@@ -57,6 +59,8 @@ def render(s: dict[str, Any]) -> Any:
     parts = [_overview(s), _ttft(s["ttft"])]
     if s["pins"]:
         parts.append(_pins(s["pins"]))
+    if s.get("retained"):
+        parts.append(_retained(s["retained"]))
     near = s["near_misses"]
     if near["top"]:
         parts.append(_near_misses(near))
@@ -76,9 +80,10 @@ def _overview(s: dict[str, Any]) -> Any:
     queries, hits = s["prefix_cache_queries"], s["prefix_cache_hits"]
     rate = s.get("prefix_cache_hit_rate")
     table.add_row("prefix cache", f"{_pct(rate)} of prompt tokens hit ({hits} of {queries})")
-    pinned = s["num_blocks_pinned"]
+    pinned, retained = s["num_blocks_pinned"], s.get("num_blocks_retained", 0)
     table.add_row("pool blocks", f"{s['num_blocks_free']} free, {s['num_blocks_cached']} cached, "
-                                 f"{pinned} pinned, {s['num_blocks_used'] - pinned} in use "
+                                 f"{pinned} pinned, {retained} retained, "
+                                 f"{s['num_blocks_used'] - pinned - retained} in use "
                                  f"(of {s['num_blocks_total']})")
     table.add_row("requests", f"{s['num_requests_running']} running, "
                               f"{s['num_requests_waiting']} waiting, "
@@ -112,6 +117,23 @@ def _pins(pins: list[dict[str, Any]]) -> Any:
         table.add_row(p["name"], str(p["num_tokens"]), str(p["num_blocks"]), str(p["hits"]),
                       str(p["tokens_served"]), str(p["near_misses"]), short_duration(p.get("ttl")),
                       short_duration(p["idle_s"]))
+    return table
+
+
+def _retained(retained: list[dict[str, Any]]) -> Any:
+    from rich.markup import escape
+
+    table = compact_table(f"retained prefixes ({len(retained)}): kept by cache control "
+                          "(cache_control, prompt_cache_options, prompt_cache_retention)",
+                          "ends with", ["tokens", "blocks", "hits", "cached\ntokens", "TTL",
+                                        "TTL left"],
+                          caption_justify="left",
+                          caption="each hit refreshes its TTL; over the pin budget the least "
+                                  "recently used decays first; pins are never displaced")
+    for r in retained[:NUM_RETAINED_SHOWN]:
+        table.add_row(escape(r["ends_with"]), str(r["num_tokens"]), str(r["num_blocks"]),
+                      str(r["hits"]), str(r["tokens_served"]), short_duration(r["ttl"]),
+                      short_duration(r["ttl_left_s"]))
     return table
 
 

@@ -26,6 +26,7 @@ from agentd.pins import tenant_salt
 from agentd.sampling_params import SamplingParams
 from agentd.server.errors import APIError
 from agentd.server.protocol import Usage, error_body
+from agentd.server.retention import RetentionRequest, hold_of
 
 T = TypeVar("T")
 RETRY_AFTER_S = 1
@@ -40,13 +41,14 @@ def new_request_id(prefix: str) -> str:
 
 def submit(engine: AsyncEngine, prompt_token_ids: list[int], params: SamplingParams,
            request_id: str, cache_salt: str | None,
-           max_in_flight: int | None = None, grammar: Any = None) -> RequestStream:
-    """Queue the request (with its compiled output constraint, if any); the engine's at-once
-    rejections become OpenAI errors (503 when ``max_in_flight`` requests are in flight already,
-    with ``Retry-After``)."""
+           max_in_flight: int | None = None, grammar: Any = None,
+           retention: RetentionRequest | None = None, owner: str | None = None) -> RequestStream:
+    """Queue the request (with its compiled output constraint, if any, and the prefix to retain,
+    held for ``owner``); the engine's at-once rejections become OpenAI errors (503 when
+    ``max_in_flight`` requests are in flight already, with ``Retry-After``)."""
     try:
         return engine.add_request(prompt_token_ids, params, request_id, cache_salt,
-                                  max_in_flight, grammar)
+                                  max_in_flight, grammar, hold_of(retention, owner))
     except EngineBusyError as exc:
         raise APIError(503, str(exc), code="server_busy",
                        headers={"Retry-After": str(RETRY_AFTER_S)}) from exc

@@ -1,0 +1,126 @@
+"""Retention on the chat wire (OpenAI ``prompt_cache_retention`` / ``prompt_cache_options``):
+usage reports what a request wrote and read, /v1/stats and /metrics show the retained prefixes,
+bad TTLs are 400s that change nothing, and ``prewarm`` (``max_tokens: 0``) makes the next
+request a hit. Each test retains a prompt of its own on one module-wide tiny engine."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from agentd.chat import render_chat
+from agentd.sampling_params import SamplingParams
+from agentd.server.retention import RetentionRequest, prewarm
+
+SYSTEM = ("You are a careful research assistant. Cite sources, say what you do not know, and "
+          "answer in short paragraphs. ") * 8
+
+
+def body(system: str, user: str = "Hello", **fields: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "system", "content": system},
+                         {"role": "user", "content": user}],
+            "max_tokens": 2, "temperature": 0, **fields}
+
+
+def unique_system() -> str:
+    return f"Session {uuid.uuid4().hex}. {SYSTEM}"
+
+
+def held(stats: dict[str, Any]) -> list[tuple]:
+    return sorted((r["num_tokens"], r["ttl"], r["hits"]) for r in stats["retained"])
+
+
+def retained(client) -> list[dict[str, Any]]:
+    return client.get("/v1/stats").json()["retained"]
+
+
+def test_a_retained_prompt_reports_writes_then_reads(client) -> None:
+    system = unique_system()
+    first = client.post("/v1/chat/completions", json=body(system, prompt_cache_retention="24h"))
+    assert first.status_code == 200, first.text
+    usage = first.json()["usage"]
+    num_prompt = usage["prompt_tokens"]
+    details = usage["prompt_tokens_details"]
+    assert details["cached_tokens"] < 16  # only the template's shared first tokens, if any
+    # what it computed and now holds: its whole blocks, less what it read
+    assert details["cache_write_tokens"] == num_prompt // 16 * 16 - details["cached_tokens"]
+    [entry] = [r for r in retained(client) if r["num_tokens"] == num_prompt // 16 * 16]
+    assert entry["ttl"] == 86400.0 and 86000 < entry["ttl_left_s"] <= 86400
+    assert entry["hits"] == 0
+    second = client.post("/v1/chat/completions",
+                         json=body(system, "Another question", prompt_cache_retention="24h"))
+    details = second.json()["usage"]["prompt_tokens_details"]
+    assert details["cached_tokens"] >= num_prompt // 16 * 16 - 16  # the system part, read
+    assert details["cache_write_tokens"] <= 16  # at most its own last block is new
+    [entry] = [r for r in retained(client) if r["num_tokens"] == num_prompt // 16 * 16]
+    assert entry["hits"] == 1 and entry["tokens_served"] > 0
+    # without a retention field the usage carries no cache_write_tokens at all
+    plain = client.post("/v1/chat/completions", json=body(system, "Third"))
+    assert "cache_write_tokens" not in plain.json()["usage"]["prompt_tokens_details"]
+
+
+def test_prompt_cache_options_retain_for_their_ttl_and_metrics_show_it(client) -> None:
+    reply = client.post("/v1/chat/completions", json=body(
+        unique_system(), prompt_cache_key="agent-7",
+        prompt_cache_options={"mode": "implicit", "ttl": "30m"}))
+    assert reply.status_code == 200, reply.text
+    assert any(r["ttl"] == 1800.0 for r in retained(client))
+    explicit = client.post("/v1/chat/completions", json=body(
+        unique_system(), prompt_cache_options={"mode": "explicit"}))
+    # explicit mode without breakpoints (chat has none) retains nothing, as at OpenAI
+    assert "cache_write_tokens" not in explicit.json()["usage"]["prompt_tokens_details"]
+    stats = client.get("/v1/stats").json()
+    assert stats["num_retained"] == len(stats["retained"]) >= 1
+    assert stats["num_blocks_retained"] == sum(r["num_blocks"] for r in stats["retained"])
+    metrics = {s.name: s.value for f in text_string_to_metric_families(client.get("/metrics").text)
+               for s in f.samples}
+    assert metrics["agentd:retained_prefixes"] == stats["num_retained"]
+    assert metrics["agentd:retained_blocks"] == stats["num_blocks_retained"]
+    assert 0 < metrics["agentd:retained_min_ttl_left_seconds"] <= 86400
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"prompt_cache_retention": "1h"}, "prompt_cache_retention"),
+    ({"prompt_cache_retention": "in-memory"}, "prompt_cache_retention"),
+    ({"prompt_cache_retention": 24}, "prompt_cache_retention"),
+    ({"prompt_cache_options": {"ttl": "5m"}}, "prompt_cache_options.ttl"),
+    ({"prompt_cache_options": {"ttl": "24h"}}, "prompt_cache_options.ttl"),
+    ({"prompt_cache_options": {"mode": "sometimes"}}, "prompt_cache_options.mode"),
+    ({"prompt_cache_options": {"ttl": "30m"}, "prompt_cache_retention": "24h"},
+     "prompt_cache_retention"),
+])
+def test_bad_ttls_are_400s_that_change_nothing(client, fields, param) -> None:
+    before = client.get("/v1/stats").json()
+    reply = client.post("/v1/chat/completions", json=body(unique_system(), **fields))
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+    after = client.get("/v1/stats").json()
+    assert held(after) == held(before)
+    assert after["prompt_tokens_total"] == before["prompt_tokens_total"]
+
+
+def test_prewarm_retains_without_generating_and_the_next_request_hits(tiny) -> None:
+    _, engine = tiny
+    messages = [{"role": "system", "content": unique_system()}, {"role": "user", "content": "Hi"}]
+    ids = render_chat(engine.tokenizer, messages, None, None).prompt_token_ids
+
+    async def go():
+        warm = await prewarm(engine, ids, RetentionRequest(len(ids) - 4, 300.0),
+                             f"prewarm-{uuid.uuid4().hex}")
+        assert (warm.num_output_tokens, warm.text, warm.token_ids) == (0, "", [])
+        assert warm.finish_reason in ("length", "stop")
+        assert warm.num_retained_tokens == (len(ids) - 4) // 16 * 16
+        summary = engine.pin_summary().retained
+        assert any(r.num_tokens == warm.num_retained_tokens and r.ttl_s == 300.0
+                   for r in summary)
+        last = None
+        async for delta in engine.add_request(ids, SamplingParams(max_tokens=1)):
+            last = delta
+        assert last.num_cached_tokens >= warm.num_retained_tokens
+
+    asyncio.run(go())

@@ -64,6 +64,8 @@ def render(s: dict[str, Any]) -> Any:
     near = s["near_misses"]
     if near["top"]:
         parts.append(_near_misses(near))
+    if s.get("prompt_near_misses", {}).get("top"):
+        parts.append(_prompt_near_misses(s["prompt_near_misses"]))
     if s.get("pin_restore"):
         parts.append(_restore(s["pin_restore"]))
     return Group(*parts)
@@ -155,6 +157,31 @@ def _near_misses(near: dict[str, Any]) -> Any:
     for miss in near["recent"][:NUM_NEAR_MISSES_SHOWN]:
         latest.add_row(miss["pin"], f"{miss['divergence_token']} / {miss['pin_num_tokens']}",
                        escape(miss["pin_text"]), escape(miss["request_text"]))
+    return Group(top, latest)
+
+
+def _prompt_near_misses(near: dict[str, Any]) -> Any:
+    """Cache-busters between a client's own requests, by prompt_cache_key, with the span that
+    varies and the client setting that turns it off, when the client is known."""
+    from rich.console import Group
+    from rich.markup import escape
+    from rich.table import Table
+
+    top = Table(title=f"cache-busters ({near['total']}): requests equal to an earlier one of "
+                      "their prompt_cache_key but for a short span", title_justify="left")
+    for column in ("prompt_cache_key", "likely cause", "count"):
+        top.add_column(column, justify="right" if column == "count" else "left")
+    for row in near["top"]:
+        top.add_row(escape(row["key"] or "(none)"), escape(row["cause"]), str(row["count"]))
+    latest = Table(title="latest: the span that varies (⟦this request⟧ vs ⟦the earlier one⟧)",
+                   title_justify="left")
+    for column in ("key", "at token", "span", "tokens lost", "fix"):
+        latest.add_column(column, justify="right" if column in ("at token", "tokens lost")
+                          else "left")
+    for miss in near["recent"][:NUM_NEAR_MISSES_SHOWN]:
+        span = f"{miss['before'][-24:]}⟦{miss['new_span']}⟧ vs ⟦{miss['old_span']}⟧"
+        latest.add_row(escape(miss["key"] or "(none)"), str(miss["at_token"]), escape(span),
+                       str(miss["num_tokens_lost"]), escape(miss["fix"] or "-"))
     return Group(top, latest)
 
 

@@ -42,6 +42,12 @@ def _num_threads() -> int:
     return torch.get_num_threads()
 
 
+def _prompt_near_misses(server: Any) -> dict[str, Any]:
+    """Cache-busters found between a client's own prompts, by ``prompt_cache_key``."""
+    history = server.prompt_history
+    return history.report() if history is not None else {"total": 0, "top": [], "recent": []}
+
+
 @get("/metrics", summary="Prometheus metrics (vLLM names)", tags=["Admin"], sync_to_thread=False,
      guards=[require_metrics_access])
 def metrics(state: State) -> Response[bytes]:
@@ -70,6 +76,7 @@ class AdminController(Controller):
             "num_threads_default": server.config.num_threads is None,
             **stats_report(engine.stats(), engine.pin_summary(), server.metrics.recent,
                            pins.restore_report, pins.last_persist_error),
+            "prompt_near_misses": _prompt_near_misses(server),
         }
 
     @get("/admin/integrity", summary="Check the KV block pool's invariants (debugging)")

@@ -75,6 +75,7 @@ class OpenAIController(Controller):
                         effective_cache_salt(tenant, plan.cache_salt),
                         server.max_in_flight(engine), grammar, plan.retention, tenant)
         server.arrived(request.scope)
+        server.observe_prompt(tenant, plan.prompt_cache_key, plan.prompt_token_ids)
         if data.stream:
             return event_stream(stream_chat(plan, deltas, on_finish))
         return await until_disconnect(request, complete_chat(plan, deltas, on_finish), deltas)

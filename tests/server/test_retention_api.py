@@ -1,7 +1,8 @@
 """Retention on the chat wire (OpenAI ``prompt_cache_retention`` / ``prompt_cache_options``):
 usage reports what a request wrote and read, /v1/stats and /metrics show the retained prefixes,
 bad TTLs are 400s that change nothing, and ``prewarm`` (``max_tokens: 0``) makes the next
-request a hit. Each test retains a prompt of its own on one module-wide tiny engine."""
+request a hit; a cache-buster between two requests of one ``prompt_cache_key`` is reported with
+its cause, span and fix. Each test retains a prompt of its own on one module-wide tiny engine."""
 
 from __future__ import annotations
 
@@ -11,8 +12,11 @@ from typing import Any
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from rich.console import Console
 
 from agentd.chat import render_chat
+from agentd.cli.stats import render
+from agentd.near_miss import CLAUDE_CODE_FIX, CLAUDE_CODE_HEADER
 from agentd.sampling_params import SamplingParams
 from agentd.server.retention import RetentionRequest, prewarm
 
@@ -81,6 +85,11 @@ def test_prompt_cache_options_retain_for_their_ttl_and_metrics_show_it(client) -
     assert metrics["agentd:retained_prefixes"] == stats["num_retained"]
     assert metrics["agentd:retained_blocks"] == stats["num_blocks_retained"]
     assert 0 < metrics["agentd:retained_min_ttl_left_seconds"] <= 86400
+    console = Console(record=True, width=200)
+    console.print(render(stats))
+    text = console.export_text()
+    assert f"retained prefixes ({stats['num_retained']})" in text
+    assert f"{stats['num_blocks_retained']} retained" in text and " 30m " in text
 
 
 @pytest.mark.parametrize(("fields", "param"), [
@@ -124,3 +133,26 @@ def test_prewarm_retains_without_generating_and_the_next_request_hits(tiny) -> N
         assert last.num_cached_tokens >= warm.num_retained_tokens
 
     asyncio.run(go())
+
+
+def test_a_cache_buster_is_reported_by_prompt_cache_key(client, poll) -> None:
+    def billed(cch: str) -> dict[str, Any]:
+        system = f"x-anthropic-billing-header: cc_version=2.0.14; cch={cch};\n{SYSTEM}"
+        return body(system, "Fix the failing test", prompt_cache_key="cc-session")
+
+    for cch in ("4be01", "9a7c3"):
+        assert client.post("/v1/chat/completions", json=billed(cch)).status_code == 200
+    stats = poll(lambda: client.get("/v1/stats").json(),
+                 lambda s: s["prompt_near_misses"]["total"] >= 1)
+    near = stats["prompt_near_misses"]
+    assert near["top"] == [{"key": "cc-session", "owner": None, "cause": CLAUDE_CODE_HEADER,
+                            "count": 1}]
+    [miss] = near["recent"]
+    assert (miss["new_span"], miss["old_span"], miss["fix"]) == ("9a7c3", "4be01",
+                                                                  CLAUDE_CODE_FIX)
+    assert miss["num_tokens_lost"] > 100
+    console = Console(record=True, width=200)
+    console.print(render(stats))
+    text = console.export_text()
+    assert "cc-session" in text and "CLAUDE_CODE_ATTRIBUTION_HEADER=0" in text
+    assert "⟦9a7c3⟧ vs ⟦4be01⟧" in text

@@ -52,6 +52,7 @@ class IntegrityReport:
     error: str | None
     num_blocks_used: int
     num_blocks_pinned: int
+    num_blocks_retained: int  # held by retained prefixes (cache control) and by no pin
     num_requests: int  # requests the scheduler still knows (running or waiting)
     num_streams: int  # streams still registered on the async side
 
@@ -361,6 +362,7 @@ class AsyncEngine:
             return IntegrityReport(ok=error is None, error=error,
                                    num_blocks_used=stats.num_blocks_used,
                                    num_blocks_pinned=stats.num_blocks_pinned,
+                                   num_blocks_retained=stats.num_blocks_retained,
                                    num_requests=len(engine.scheduler.requests),
                                    num_streams=len(self._streams))
 

@@ -109,13 +109,12 @@ def _pin_families(model_name: str, summary: PinSummary) -> Iterator[Metric]:
 def _retained_families(model_name: str, stats: EngineStats,
                        summary: PinSummary) -> Iterator[Metric]:
     """Prefixes retained by cache control, summed per tenant (they have no names, and come and
-    go too often to be labels); expiries and budget displacements since the start."""
+    go too often to be labels); the blocks they hold (shared ones once); expiries and budget
+    displacements since the start."""
     labels = ["model_name", "owner"]
     families = {
         "num": GaugeMetricFamily("agentd:retained_prefixes",
                                  "Prefixes held by cache control (retention) now.", labels=labels),
-        "blocks": GaugeMetricFamily("agentd:retained_blocks",
-                                    "KV blocks held by retained prefixes now.", labels=labels),
         "hits": GaugeMetricFamily("agentd:retained_hits",
                                   "Requests that hit a retained prefix now held, whole.",
                                   labels=labels),
@@ -125,15 +124,19 @@ def _retained_families(model_name: str, stats: EngineStats,
     now_s = time.monotonic()
     by_owner: dict[str, list[float]] = {}
     for r in summary.retained:
-        row = by_owner.setdefault(r.owner or "", [0, 0, 0, float("inf")])
+        row = by_owner.setdefault(r.owner or "", [0, 0, float("inf")])
         row[0] += 1
-        row[1] += r.num_blocks
-        row[2] += r.num_hits
-        row[3] = min(row[3], max(r.expires_s - now_s, 0.0))
+        row[1] += r.num_hits
+        row[2] = min(row[2], max(r.expires_s - now_s, 0.0))
     for owner, row in by_owner.items():
         for family, value in zip(families.values(), row, strict=True):
             family.add_metric([model_name, owner], value)
     yield from families.values()
+    blocks = GaugeMetricFamily("agentd:retained_blocks",
+                               "KV blocks held by retained prefixes and by no pin, now.",
+                               labels=["model_name"])
+    blocks.add_metric([model_name], stats.num_blocks_retained)
+    yield blocks
     for name, doc, value in (
             ("agentd:retained_expired", "Retained prefixes that decayed at their TTL.",
              stats.num_retained_expired),

@@ -82,8 +82,8 @@ class AdminController(Controller):
     @get("/admin/integrity", summary="Check the KV block pool's invariants (debugging)")
     async def integrity(self, state: State) -> dict[str, Any]:
         """Runs ``check_integrity()`` and a reference audit on the engine thread between steps:
-        ``ok`` false names the first violation. Idle means ``num_blocks_used == num_blocks_pinned``
-        and no requests or streams."""
+        ``ok`` false names the first violation. Idle means no requests or streams and
+        ``num_blocks_used == num_blocks_pinned + num_blocks_retained``."""
         engine = server_of(state).require_engine()
         return dataclasses.asdict(await engine.check_integrity())
 

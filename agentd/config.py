@@ -37,6 +37,36 @@ def parse_duration(text: str | float | int) -> float:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Prompt-lookup speculative decoding (:mod:`agentd.spec_decode`).
+
+    ``method`` "ngram" drafts up to ``num_tokens`` tokens per step from the longest match
+    (``ngram_max`` down to ``ngram_min`` tokens) of a request's last tokens earlier in its own
+    prompt and output; "off" never drafts. Drafts ride only on steps of at most ``max_num_seqs``
+    running requests: beyond that the step is compute-bound and extra rows cost their full price.
+    """
+
+    method: str = "ngram"
+    num_tokens: int = 8
+    ngram_max: int = 3
+    ngram_min: int = 2
+    max_num_seqs: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in ("ngram", "off"):
+            raise ValueError(f"speculative must be ngram or off, not {self.method!r}")
+        if not 1 <= self.num_tokens <= 64:
+            raise ValueError(f"num_speculative_tokens must be in [1, 64], not {self.num_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(
+                f"prompt_lookup_min ({self.ngram_min}) must be >= 1 and <= prompt_lookup_max "
+                f"({self.ngram_max})"
+            )
+        if self.max_num_seqs < 1:
+            raise ValueError(f"speculative_max_num_seqs must be >= 1, not {self.max_num_seqs}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs to start. ``None`` means "pick a default at load time"."""
 
@@ -55,6 +85,7 @@ class EngineConfig:
     cpu_linear: str = "onednn"  # "onednn" (packed weights) or "torch" (F.linear, MKL)
     seed: int = 0
     num_threads: int | None = None
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     jump_forward: bool = True  # append the tokens a grammar forces without a step each
     extra: dict[str, str] = field(default_factory=dict)
 

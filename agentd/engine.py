@@ -28,6 +28,7 @@ from agentd.runner import ModelRunner
 from agentd.sampler import Sampler
 from agentd.sampling_params import SamplingParams
 from agentd.scheduler import Scheduler
+from agentd.spec_decode import make_speculator
 from agentd.structured.compiler import GrammarCompiler
 from agentd.structured.jump_forward import plan_jump
 from agentd.structured.matchers import StructuredOutputs
@@ -61,6 +62,9 @@ class EngineStats:
     num_blocks_retained: int = 0  # blocks they hold that no pin holds too
     num_retained_expired: int = 0  # decayed at their TTL
     num_retained_displaced: int = 0  # decayed early: the pin budget needed room
+    spec_num_drafts: int = 0  # request-steps that verified draft tokens
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
 
 @dataclass
@@ -96,6 +100,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.num_blocks, block_size, self.loaded.device,
                                   self.loaded.dtype, backend)
         self.sampler = Sampler(self.loaded.device)
+        self.speculator = make_speculator(config.speculative)
         vocab_size = model.dims.vocab_size
         self.grammars = GrammarCompiler(self.tokenizer, vocab_size, self.loaded.eos_token_ids)
         self.structured = StructuredOutputs(vocab_size)
@@ -240,18 +245,21 @@ class LLMEngine:
         self._totals["steps"] += 1
         self._totals["model"] += result.num_tokens
         requests = [self.scheduler.requests[rid] for rid in result.request_ids]
-        dead_ends = set(self.structured.apply(result.logits, result.request_ids))
-        token_ids = self.sampler.sample(result.logits, requests)
+        drafts = {s.request_id: s.token_ids[len(s.token_ids) - s.num_draft_tokens:]
+                  for s in out.scheduled if s.num_draft_tokens}
+        # a request id per logits row: a drafting request (never a constrained one) has 1 + its
+        # drafts rows
+        row_ids = [rid for rid in result.request_ids for _ in range(1 + len(drafts.get(rid, ())))]
+        dead_ends = set(self.structured.apply(result.logits, row_ids))
+        token_ids = self.speculator.sample(self.sampler, result.logits, requests, drafts)
         now = time.monotonic()
-        for request in self.scheduler.update_from_output(out, dict(zip(result.request_ids,
-                                                                        token_ids, strict=True))):
+        for request in self.scheduler.update_from_output(out, token_ids):
             tracked = self._tracked[request.request_id]
             retained = self.retention.after_compute(request)
             if retained is not None:
                 tracked.num_retained_tokens = retained.num_tokens
             if request.first_token_time_s is None:
                 request.first_token_time_s = now
-            first_new = request.num_tokens - 1
             if request.request_id in self.structured:
                 if not self._advance_grammar(request, request.request_id in dead_ends):
                     deltas.append(self._delta(tracked, finished=True, error=GRAMMAR_DEAD_END,
@@ -259,13 +267,33 @@ class LLMEngine:
                     continue
                 if self.config.jump_forward and not request.status.finished:
                     self._jump_forward(request)
-            for token_id in request.all_token_ids[first_new:]:
-                tracked.detokenizer.add_token(token_id)
-            if tracked.detokenizer.stop_reason is not None and not request.status.finished:
-                request.stop_reason = tracked.detokenizer.stop_reason
-                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            self._detokenize(tracked)
             deltas.append(self._delta(tracked, finished=request.status.finished))
+        self.speculator.propose(self.scheduler.running, self.scheduler.num_waiting)
         return deltas
+
+    def _detokenize(self, tracked: _Tracked) -> None:
+        """Feed the request's new tokens to its detokenizer one by one; at a stop string, the
+        tokens after it are dropped (a step may have accepted several) and the request stops."""
+        request = tracked.request
+        detokenizer = tracked.detokenizer
+        num_tokens = request.num_prompt_tokens + tracked.num_emitted_tokens
+        for token_id in request.all_token_ids[num_tokens:]:
+            detokenizer.add_token(token_id)
+            num_tokens += 1
+            if detokenizer.stop_reason is not None:
+                break
+        if detokenizer.stop_reason is None:
+            return
+        if num_tokens < request.num_tokens:  # tokens past the stop string came in this step
+            request.truncate(num_tokens)
+            if request.status.finished:  # by one of the dropped tokens: the string came first
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = detokenizer.stop_reason
+                return
+        if not request.status.finished:
+            request.stop_reason = detokenizer.stop_reason
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
 
     def _advance_grammar(self, request: Request, dead_end: bool) -> bool:
         """Feed the sampled token to the request's matcher; False (request finished) when the
@@ -312,6 +340,7 @@ class LLMEngine:
             del self._tracked[request.request_id]
             self.retention.forget(request.request_id)
             self.sampler.forget(request.request_id)
+            self.speculator.forget(request.request_id)
             self.structured.remove(request.request_id)
             self._totals["finished"] += 1
             self._totals["generation"] += request.num_output_tokens
@@ -357,4 +386,7 @@ class LLMEngine:
             num_blocks_retained=self.pins.registry.num_retained_blocks,
             num_retained_expired=self.retention.num_expired,
             num_retained_displaced=self.pins.registry.num_retained_displaced,
+            spec_num_drafts=self.speculator.stats.num_drafts,
+            spec_num_draft_tokens=self.speculator.stats.num_draft_tokens,
+            spec_num_accepted_tokens=self.speculator.stats.num_accepted_tokens,
         )

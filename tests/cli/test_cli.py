@@ -64,6 +64,10 @@ def test_help_imports_neither_torch_transformers_nor_litestar() -> None:
     (["--port", "http"], "Invalid value for '--port'"),
     (["--bogus"], "No such option '--bogus'"),
     (["--device", "tpu"], "device must be auto, cpu or cuda"),
+    (["--speculative", "eagle"], "'eagle' is not one of 'ngram', 'off'"),
+    (["--num-speculative-tokens", "0"], "--num-speculative-tokens must be in [1, 64]"),
+    (["--prompt-lookup-min", "4"], "--prompt-lookup-min (4) must be >= 1 and <= "
+                                   "--prompt-lookup-max (3)"),
     (["--model", "/no/such/model/dir"], "model not found: /no/such/model/dir"),
 ])
 def test_bad_start_options_fail_in_one_line(runner: CliRunner, args: list[str],

@@ -150,8 +150,8 @@ class ChatCompletionRequest(ConstraintFields, kw_only=True):
     user: str | None = None
     ignore_eos: bool = False  # vLLM extension
     cache_salt: str | None = None  # vLLM extension
-    prompt_cache_key: str | None = None  # names a conversation or agent (near-miss groups)
-    prompt_cache_retention: str | None = None  # "in_memory" (LRU) or "24h" (retained)
+    prompt_cache_key: str | None = None  # names a conversation or agent: stats by key
+    prompt_cache_retention: str | None = None  # "in_memory" | "24h": keep the prompt cached
     prompt_cache_options: PromptCacheOptions | None = None
 
 

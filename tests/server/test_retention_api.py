@@ -10,15 +10,16 @@ import asyncio
 import uuid
 from typing import Any
 
+import msgspec
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
-from agentd.chat import render_chat
 from agentd.cli.stats import render
 from agentd.near_miss import CLAUDE_CODE_FIX, CLAUDE_CODE_HEADER
-from agentd.sampling_params import SamplingParams
-from agentd.server.retention import RetentionRequest, prewarm
+from agentd.server.protocol import ChatCompletionRequest
+from agentd.server.retention import prewarm
+from agentd.server.serving_chat import plan_chat
 
 SYSTEM = ("You are a careful research assistant. Cite sources, say what you do not know, and "
           "answer in short paragraphs. ") * 8
@@ -102,7 +103,7 @@ def test_prompt_cache_options_retain_for_their_ttl_and_metrics_show_it(client) -
 
 @pytest.mark.parametrize(("fields", "param"), [
     ({"prompt_cache_retention": "1h"}, "prompt_cache_retention"),
-    ({"prompt_cache_retention": "in-memory"}, "prompt_cache_retention"),
+    ({"prompt_cache_retention": "forever"}, "prompt_cache_retention"),
     ({"prompt_cache_retention": 24}, "prompt_cache_retention"),
     ({"prompt_cache_options": {"ttl": "5m"}}, "prompt_cache_options.ttl"),
     ({"prompt_cache_options": {"ttl": "24h"}}, "prompt_cache_options.ttl"),
@@ -121,26 +122,22 @@ def test_bad_ttls_are_400s_that_change_nothing(client, fields, param) -> None:
     assert after["prompt_tokens_total"] == before["prompt_tokens_total"]
 
 
-def test_prewarm_retains_without_generating_and_the_next_request_hits(tiny) -> None:
-    _, engine = tiny
-    messages = [{"role": "system", "content": unique_system()}, {"role": "user", "content": "Hi"}]
-    ids = render_chat(engine.tokenizer, messages, None, None).prompt_token_ids
-
-    async def go():
-        warm = await prewarm(engine, ids, RetentionRequest(len(ids) - 4, 300.0),
-                             f"prewarm-{uuid.uuid4().hex}")
-        assert (warm.num_output_tokens, warm.text, warm.token_ids) == (0, "", [])
-        assert warm.finish_reason in ("length", "stop")
-        assert warm.num_retained_tokens == (len(ids) - 4) // 16 * 16
-        summary = engine.pin_summary().retained
-        assert any(r.num_tokens == warm.num_retained_tokens and r.ttl_s == 300.0
-                   for r in summary)
-        last = None
-        async for delta in engine.add_request(ids, SamplingParams(max_tokens=1)):
-            last = delta
-        assert last.num_cached_tokens >= warm.num_retained_tokens
-
-    asyncio.run(go())
+def test_prewarm_retains_without_generating_and_the_next_request_hits(client) -> None:
+    server = client.app.state.agentd
+    engine = server.require_engine()
+    request = body(unique_system(), prompt_cache_options={"ttl": "30m"})
+    plan = plan_chat(msgspec.convert(request, ChatCompletionRequest), engine, engine.model_name, 0)
+    usage = asyncio.run(prewarm(server, plan))
+    num_whole = len(plan.prompt_token_ids) // 16 * 16
+    assert usage.creation == num_whole - usage.read and usage.read < 16
+    entry = engine.pin_summary().retained[0]  # the most recently used first
+    assert (entry.num_tokens, entry.ttl_s, entry.num_hits) == (num_whole, 1800.0, 0)
+    reply = client.post("/v1/chat/completions", json=request)
+    details = reply.json()["usage"]["prompt_tokens_details"]
+    assert details["cached_tokens"] >= num_whole  # the next request is a hit
+    assert details["cache_write_tokens"] == 0
+    assert [r.num_hits for r in engine.pin_summary().retained
+            if r.created_s == entry.created_s] == [1]
 
 
 def test_a_cache_buster_is_reported_by_prompt_cache_key(client, poll) -> None:

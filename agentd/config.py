@@ -73,7 +73,10 @@ class EngineConfig:
     model: str | None = None
     tokenizer: str | None = None
     device: str = "auto"
-    dtype: str = "auto"
+    dtype: str = "auto"  # activations, KV cache and attention (and the weights, by default)
+    weights: str | None = None  # linear layers' format; None: the same as dtype (see __post_init__)
+    prefill_weights: str = "keep"  # low-precision weights' big products: "keep" a dense twin, or
+    # "dequantize" per call (no second copy; slower prefill)
     block_size: int = 16
     kv_cache_memory_bytes: int = 384 * 2**20  # 8,736 tokens of the default model
     max_num_seqs: int = 32
@@ -94,6 +97,7 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda, not {self.device!r}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, not {self.dtype}")
+        self._check_weights()
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, not {self.block_size}")
         if self.kv_cache_memory_bytes <= 0:
@@ -119,3 +123,19 @@ class EngineConfig:
             raise ValueError(f"cpu_linear must be onednn or torch, not {self.cpu_linear!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, not {self.num_threads}")
+
+    def _check_weights(self) -> None:
+        formats = ("auto", "float32", "bfloat16", "float16", "int8", "int4")
+        if self.prefill_weights not in ("keep", "dequantize"):
+            raise ValueError(f"prefill_weights must be keep or dequantize, not "
+                             f"{self.prefill_weights!r}")
+        if self.weights is None:
+            return
+        if self.weights not in formats:
+            raise ValueError(f"weights must be one of {', '.join(formats)}, not {self.weights!r}")
+        if self.device.startswith("cuda") and self.weights not in ("auto", self.dtype):
+            raise ValueError("weights other than the dtype run on the CPU only; on CUDA leave "
+                             "weights unset")
+        if self.weights == "float32" and self.dtype not in ("auto", "float32"):
+            raise ValueError("weights float32 needs dtype float32: weights are never stored "
+                             "wider than the activations")

@@ -247,10 +247,7 @@ class LLMEngine:
         requests = [self.scheduler.requests[rid] for rid in result.request_ids]
         drafts = {s.request_id: s.token_ids[len(s.token_ids) - s.num_draft_tokens:]
                   for s in out.scheduled if s.num_draft_tokens}
-        # a request id per logits row: a drafting request (never a constrained one) has 1 + its
-        # drafts rows
-        row_ids = [rid for rid in result.request_ids for _ in range(1 + len(drafts.get(rid, ())))]
-        dead_ends = set(self.structured.apply(result.logits, row_ids))
+        dead_ends = set(self.structured.apply(result.logits, result.request_ids, drafts))
         token_ids = self.speculator.sample(self.sampler, result.logits, requests, drafts)
         now = time.monotonic()
         for request in self.scheduler.update_from_output(out, token_ids):
@@ -261,7 +258,9 @@ class LLMEngine:
             if request.first_token_time_s is None:
                 request.first_token_time_s = now
             if request.request_id in self.structured:
-                if not self._advance_grammar(request, request.request_id in dead_ends):
+                new_ids = request.all_token_ids[request.num_prompt_tokens
+                                                + tracked.num_emitted_tokens:]
+                if not self._advance_grammar(request, new_ids, request.request_id in dead_ends):
                     deltas.append(self._delta(tracked, finished=True, error=GRAMMAR_DEAD_END,
                                               error_code="grammar_dead_end"))
                     continue
@@ -270,6 +269,10 @@ class LLMEngine:
             self._detokenize(tracked)
             deltas.append(self._delta(tracked, finished=request.status.finished))
         self.speculator.propose(self.scheduler.running, self.scheduler.num_waiting)
+        for request in self.scheduler.running:  # a constrained request drafts what it may write
+            if request.spec_token_ids and request.request_id in self.structured:
+                request.spec_token_ids = self.structured.legal_prefix(request.request_id,
+                                                                      request.spec_token_ids)
         return deltas
 
     def _detokenize(self, tracked: _Tracked) -> None:
@@ -295,11 +298,12 @@ class LLMEngine:
             request.stop_reason = detokenizer.stop_reason
             self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
 
-    def _advance_grammar(self, request: Request, dead_end: bool) -> bool:
-        """Feed the sampled token to the request's matcher; False (request finished) when the
-        grammar had no legal token or rejects it. A complete grammar finishes the request."""
+    def _advance_grammar(self, request: Request, new_ids: list[int], dead_end: bool) -> bool:
+        """Feed this step's tokens (accepted drafts, then the sampled one) to the request's
+        matcher; False (request finished) when the grammar had no legal token or rejects one.
+        A complete grammar finishes the request."""
         rid = request.request_id
-        if dead_end or not self.structured.accept(rid, request.all_token_ids[-1]):
+        if dead_end or not all(self.structured.accept(rid, t) for t in new_ids):
             self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
             return False
         if self.structured.is_terminated(rid) and not request.status.finished:

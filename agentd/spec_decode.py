@@ -46,11 +46,12 @@ _ITEM_BYTES = array("i").itemsize
 
 def can_speculate(request: Request) -> bool:
     """Whether drafts can be verified for this request without changing its output. Left out:
-    penalties (a row's penalty would depend on the drafts accepted before it) and output
-    constraints (a grammar's matcher masks one row and advances one token at a time)."""
+    penalties (a row's penalty would depend on the drafts accepted before it). Constrained
+    requests draft too: the engine cuts a draft where their grammar refuses it and masks each
+    draft row with the grammar's state after the draft tokens before it
+    (``agentd.structured.matchers``)."""
     params = request.params
-    return not (params.presence_penalty or params.frequency_penalty
-                or params.structured_outputs is not None)
+    return not (params.presence_penalty or params.frequency_penalty)
 
 
 def propose_ngram(token_ids: Sequence[int], num_tokens: int, ngram_max: int,

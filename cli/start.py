@@ -67,9 +67,21 @@ def _option(name: str, **kwargs: Any) -> Any:
          help="Where the model runs.")
 @_option("--dtype", default=_DEFAULTS["dtype"],
          type=click.Choice(["auto", "float32", "float16", "bfloat16"]),
-         help="Weights, activations and KV cache. auto: float32 on CPU (exact against "
-              "transformers), bfloat16 on CUDA. bfloat16 on CPUs with AVX512-BF16 or AMX: "
-              "faster (prefill ~2x on a 2-core AMD EPYC), half the KV memory per token.")
+         help="Activations, KV cache and attention (and the weights unless --weights). auto: "
+              "float32 on CPU (exact against transformers), bfloat16 on CUDA. bfloat16 on CPUs "
+              "with AVX512-BF16 or AMX: faster (prefill ~2x on a 2-core AMD EPYC), half the KV "
+              "memory per token.")
+@_option("--weights", default=_DEFAULTS["weights"],
+         type=click.Choice(["auto", "float32", "bfloat16", "float16", "int8", "int4"]),
+         help="How linear layers store their weights, apart from --dtype (CPU). int4: a GGUF's "
+              "4-bit groups as they are; auto: the fastest format here that passed the accuracy "
+              "bar (README, Weight formats). --weights float32 --dtype float32 is the exact "
+              "mode. [default: the same as --dtype]")
+@_option("--prefill-weights", default=_DEFAULTS["prefill_weights"],
+         type=click.Choice(["keep", "dequantize"]),
+         help="With low-precision --weights, how prefill chunks and other big steps multiply: "
+              "keep a dense fp32 twin of each layer (fastest; the fp32 bytes again) or "
+              "dequantize per step (least memory, slower prefill).")
 @_option("--attention-backend", default=_DEFAULTS["attention_backend"],
          type=click.Choice(["auto", "torch", "triton"]), help="Attention kernels.")
 @_option("--cpu-linear", default=_DEFAULTS["cpu_linear"],
@@ -171,7 +183,8 @@ def engine_config(params: dict[str, Any]) -> EngineConfig:
     try:
         return EngineConfig(
             model=params["model"], tokenizer=params["tokenizer"], device=params["device"],
-            dtype=params["dtype"], block_size=params["block_size"],
+            dtype=params["dtype"], weights=params["weights"],
+            prefill_weights=params["prefill_weights"], block_size=params["block_size"],
             kv_cache_memory_bytes=parse_size(params["kv_cache_memory"]),
             max_num_seqs=params["max_num_seqs"],
             max_num_batched_tokens=params["max_num_batched_tokens"],

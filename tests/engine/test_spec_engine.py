@@ -324,9 +324,9 @@ def test_sampled_drafts_keep_the_model_distribution(small_vocab_model: Path) -> 
     assert p_value > 1e-3, f"p = {p_value:.2e}, acceptance {acceptance:.2f}"
 
 
-def test_a_constrained_request_never_drafts_and_its_mask_finds_its_row(llama) -> None:
-    """A grammar-constrained request is not speculated for; when its row comes after a
-    drafting request's rows in one step, its bitmask still lands on its own row."""
+def test_a_constrained_requests_mask_finds_its_row_after_anothers_drafts(llama) -> None:
+    """When a constrained request's row comes after a drafting request's rows in one step, its
+    bitmask still lands on its own row."""
     from agentd.spec_decode import can_speculate
     from agentd.structured.params import StructuredOutputsParams
 
@@ -334,7 +334,7 @@ def test_a_constrained_request_never_drafts_and_its_mask_finds_its_row(llama) ->
     choices = ["red green blue", "cyan"]
     constrained = SamplingParams(temperature=0.0, max_tokens=16,
                                  structured_outputs=StructuredOutputsParams(choice=choices))
-    assert not can_speculate(Request("c", [1], constrained, 16))
+    assert can_speculate(Request("c", [1], constrained, 16))
     assert not can_speculate(Request("p", [1], SamplingParams(presence_penalty=0.5), 16))
     want = off.generate([prompts[0]], GREEDY)[0]
     solo = off.generate([prompts[1]], constrained)[0]
@@ -357,3 +357,28 @@ def test_a_constrained_request_never_drafts_and_its_mask_finds_its_row(llama) ->
     assert all(d == 0 for step in rows for rid, d in step if rid == second)
     assert tokens[second] == solo.token_ids
     assert engine.stats().num_blocks_used == 0
+
+
+@pytest.mark.parametrize("jump_forward", [True, False])
+def test_constrained_drafts_keep_the_constrained_greedy_output(llama, jump_forward: bool) -> None:
+    """A constrained request drafts too: each draft is cut where its grammar refuses it, and
+    each draft row is masked with the grammar after the draft tokens before it; the output is
+    the constrained greedy output without speculation, token for token."""
+    from agentd.structured.params import StructuredOutputsParams
+
+    path, prompts, off = llama
+    schema = {"type": "object", "additionalProperties": False, "required": ["mode", "tags"],
+              "properties": {"mode": {"enum": ["fast", "careful"]},
+                             "tags": {"type": "array", "maxItems": 3,
+                                      "items": {"enum": ["io", "cpu", "disk"]}}}}
+    params = SamplingParams(temperature=0.0, max_tokens=48,
+                            structured_outputs=StructuredOutputsParams(json=schema))
+    plain = LLM(str(path), device="cpu", kv_cache_memory_bytes=POOL_BYTES, speculative=OFF,
+                jump_forward=jump_forward)
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    llm = planted_llm(path, {tuple(p): w for p, w in zip(prompts, want, strict=True)},
+                      jump_forward=jump_forward)
+    got, _ = run_checked(llm, prompts, params)
+    assert got == want
+    stats = llm.engine.stats()
+    assert stats.spec_num_drafts > 0 and stats.spec_num_accepted_tokens > 0

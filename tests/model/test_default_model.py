@@ -34,7 +34,7 @@ NUM_LONG_TOKENS = 4
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(kv_cache_memory="160MiB", device="cpu", dtype="float32")
+    return LLM(kv_cache_memory="160MiB", device="cpu", dtype="float32", weights="float32")
 
 
 @pytest.fixture(scope="module")

@@ -165,3 +165,30 @@ def test_retention_shares_the_pin_budget_and_never_displaces_a_pin(tiny_llama, r
             engine.shutdown()
 
     asyncio.run(go())
+
+
+def test_the_server_may_retain_a_cached_prefix_directly(tiny_llama, research):
+    """``LLMEngine.retain`` (on the engine thread): holds what is cached of a prompt, says
+    whether the hold is new, and holds nothing for a prompt that is not cached."""
+    async def go():
+        engine = make_engine(tiny_llama, num_blocks=480)
+        try:
+            ids = prompt(engine, research, "question")
+            hold = HoldRequest(len(ids), HOUR_S, owner="tenant-x")
+            assert await engine.call(lambda e: e.retain(ids, hold)) is None  # nothing cached
+            await run(engine, ids)
+            first = await engine.call(lambda e: e.retain(ids, hold))
+            assert (first.num_tokens, first.new) == (whole_blocks(len(ids)), True)
+            assert first.expires_in_s == pytest.approx(HOUR_S, abs=5)
+            again = await engine.call(lambda e: e.retain(ids, hold, cache_salt="other"))
+            assert again is None  # another salt: other blocks, none cached
+            assert (await engine.call(lambda e: e.retain(ids, hold))).new is False
+            [stat] = engine.pin_summary().retained
+            assert stat.owner == "tenant-x" and stat.num_blocks == len(ids) // 16
+            await press(engine)
+            assert (await run(engine, ids)).num_cached_tokens == whole_blocks(len(ids))
+            assert (await engine.check_integrity()).ok
+        finally:
+            engine.shutdown()
+
+    asyncio.run(go())

@@ -1,38 +1,34 @@
 """Explicit cache control as the wires hand it over: "keep the first ``num_tokens`` tokens of
-this prompt for ``ttl_s`` seconds", the cache figures a reply reports, and the pre-warm.
+this prompt for ``ttl_s`` seconds", the TTLs each wire defines, and the cache figures a reply
+reports.
 
 The wires (Anthropic ``cache_control``, OpenAI ``prompt_cache_options`` /
 ``prompt_cache_breakpoint`` / ``prompt_cache_retention``) parse and validate those fields and
 put one ``RetentionRequest`` on the plan; ``submit`` hands it to the engine, which holds those
 blocks like a pin with a TTL (:mod:`agentd.retention`), in the pin budget, refreshed on a hit.
 
-Invariants: the wires never read the cache themselves; every figure they report about it comes
-from ``cache_usage``: *read* is the prompt tokens the request reused, *creation* the ones it
-computed and now retains, so read + creation never exceed the prompt. A TTL a wire does not
-define is a 400 naming the field, before anything runs.
+Invariants: a TTL a wire does not define is a 400 naming the field, before anything runs; the
+wires never read the cache themselves: every figure they report about it comes from
+``cache_usage`` — *read* is the prompt tokens a request reused, *creation* the ones it computed
+and now retains, so read + creation never exceed the prompt.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple
 
 from agentd.outputs import StreamDelta
 from agentd.sampling_params import SamplingParams
 from agentd.server.errors import APIError
-from agentd.server.protocol import PromptCacheOptions
-from agentd.server.serving import collect, effective_cache_salt, submit
-from agentd.server.state import cache_tenant
+from agentd.server.serving import collect, submit
 
-if TYPE_CHECKING:
-    from litestar import Request
-
-# TTL strings the wires accept, in seconds (Anthropic: 5m, 1h; OpenAI: 30m, 12h, and
-# prompt_cache_retention's in-memory / 24h).
+# The TTLs each wire defines, in seconds.
 ANTHROPIC_TTLS = {"5m": 300.0, "1h": 3600.0}
-OPENAI_TTLS = {"30m": 1800.0, "12h": 43200.0}
-OPENAI_RETENTIONS = {"in-memory": 600.0, "in_memory": 600.0, "24h": 86400.0}
+OPENAI_BREAKPOINT_TTLS = {"30m": 1800.0, "12h": 43200.0}  # prompt_cache_options, breakpoints
+# prompt_cache_retention: "in_memory" is the automatic prefix cache (LRU) every request gets
+OPENAI_RETENTION_TTLS: dict[str, float | None] = {"in_memory": None, "24h": 86400.0}
 
 
 @dataclass(frozen=True)
@@ -42,47 +38,40 @@ class RetentionRequest:
     num_tokens: int
     ttl_s: float
 
-    def __post_init__(self) -> None:
-        if self.num_tokens < 0:
-            raise ValueError(f"num_tokens must be >= 0, not {self.num_tokens}")
-        if self.ttl_s <= 0:
-            raise ValueError(f"ttl_s must be > 0, not {self.ttl_s}")
 
-
-@dataclass(frozen=True)
-class CacheUsage:
+class CacheUsage(NamedTuple):
     read: int  # prompt tokens served from the cache
-    creation: int  # prompt tokens this request computed and retained
+    creation: int  # prompt tokens this request computed and now retains
 
 
-def parse_ttl(value: object, allowed: dict[str, float], param: str) -> float:
+def parse_ttl(value: object, allowed: dict[str, float | None], param: str) -> float | None:
     """The seconds a wire's TTL string stands for; a 400 naming ``param`` for any other."""
     if isinstance(value, str) and value in allowed:
         return allowed[value]
-    raise APIError(400, f"{param} must be one of {', '.join(map(repr, allowed))}, not "
-                   f"{value!r}", param=param, code="invalid_ttl")
+    choices = ", ".join(repr(v) for v in allowed)
+    raise APIError(400, f"{param} must be one of {choices}, not {value!r}", param=param,
+                   code="invalid_ttl")
 
 
-def openai_retention(retention: str | None, options: PromptCacheOptions | None,
-                     num_prompt_tokens: int, num_explicit_tokens: int = 0
-                     ) -> RetentionRequest | None:
-    """The retention an OpenAI request asks for: ``prompt_cache_retention`` keeps the prompt for
-    its time (in_memory: 10 minutes, 24h); ``prompt_cache_options`` for its ``ttl`` (30m by
-    default) — the whole prompt in "implicit" mode, only up to the last explicit breakpoint
-    (``num_explicit_tokens``) in "explicit" mode. Both at once is a 400, as at OpenAI."""
+def openai_retention(retention: str | None, options: Any, num_prompt_tokens: int,
+                     num_explicit_tokens: int = 0) -> RetentionRequest | None:
+    """What an OpenAI request asks to keep: ``prompt_cache_retention: "24h"`` the whole prompt
+    for a day ("in_memory" is the LRU cache every request gets); ``prompt_cache_options`` the
+    whole prompt ("implicit" mode) or the prefix up to its last explicit breakpoint
+    (``num_explicit_tokens``, "explicit" mode) for its ``ttl`` (30m by default). Both: a 400."""
     if options is not None and retention is not None:
-        raise APIError(400, "send prompt_cache_options or prompt_cache_retention, not both "
-                       "(prompt_cache_options.ttl supersedes prompt_cache_retention)",
+        raise APIError(400, "send prompt_cache_options or prompt_cache_retention, not both",
                        param="prompt_cache_retention")
     if retention is not None:
-        ttl_s = parse_ttl(retention, OPENAI_RETENTIONS, "prompt_cache_retention")
-        return RetentionRequest(num_prompt_tokens, ttl_s)
+        ttl_s = parse_ttl(retention, OPENAI_RETENTION_TTLS, "prompt_cache_retention")
+        return None if ttl_s is None else RetentionRequest(num_prompt_tokens, ttl_s)
     if options is None:
         return None
     if options.mode not in (None, "implicit", "explicit"):
-        raise APIError(400, f"prompt_cache_options.mode must be 'implicit' or 'explicit', not "
+        raise APIError(400, "prompt_cache_options.mode must be 'implicit' or 'explicit', not "
                        f"{options.mode!r}", param="prompt_cache_options.mode")
-    ttl_s = parse_ttl(options.ttl or "30m", OPENAI_TTLS, "prompt_cache_options.ttl")
+    ttl_s = parse_ttl(options.ttl or "30m", OPENAI_BREAKPOINT_TTLS, "prompt_cache_options.ttl")
+    assert ttl_s is not None
     num_tokens = num_explicit_tokens if options.mode == "explicit" else num_prompt_tokens
     return RetentionRequest(num_tokens, ttl_s) if num_tokens > 0 else None
 
@@ -90,8 +79,8 @@ def openai_retention(retention: str | None, options: PromptCacheOptions | None,
 def cache_usage(delta: StreamDelta, plan: Any) -> CacheUsage:
     """The cache figures of a finished request (Anthropic ``cache_read_input_tokens`` /
     ``cache_creation_input_tokens``; OpenAI ``cached_tokens`` / ``cache_write_tokens``): read
-    from the engine's cached count; creation is what a request that asked to retain computed
-    and now holds (0 without ``plan.retention``)."""
+    from the engine's cached count; creation is what a request that asked to retain
+    (``plan.retention``) computed and now holds."""
     read = delta.num_cached_tokens
     if getattr(plan, "retention", None) is None:
         return CacheUsage(read=read, creation=0)
@@ -103,20 +92,22 @@ def prewarm_params() -> SamplingParams:
     return SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 
 
-async def prewarm(server: Any, plan: Any,
-                  request: Request[Any, Any, Any] | None = None) -> CacheUsage:
-    """``max_tokens: 0``: prefill the prompt and retain ``plan.retention`` (held for the
-    tenant of ``request``, under its cache salt), generate nothing; returns the cache figures.
-    Raises APIError as ``submit`` does; a cancelled pre-warm aborts its prefill."""
-    engine = server.require_engine()
-    tenant = cache_tenant(request) if request is not None else None
-    deltas = submit(engine, plan.prompt_token_ids, prewarm_params(), plan.request_id,
-                    effective_cache_salt(tenant, plan.cache_salt), server.max_in_flight(engine),
-                    retention=plan.retention, owner=tenant)
-    if request is not None:
-        server.arrived(request.scope)
+async def prewarm(engine: Any, prompt_token_ids: list[int],
+                  retention: RetentionRequest | None, request_id: str,
+                  cache_salt: str | None = None, owner: str | None = None,
+                  max_in_flight: int | None = None) -> StreamDelta:
+    """``max_tokens: 0``: prefill the prompt and retain ``retention`` of it (held for ``owner``,
+    the tenant, hashed with ``cache_salt``), generate nothing.
+
+    Returns:
+        The request's last delta with no output (``num_cached_tokens``,
+        ``num_retained_tokens`` for ``cache_usage``). Raises APIError as ``submit`` does; a
+        cancelled pre-warm aborts its prefill.
+    """
+    deltas = submit(engine, prompt_token_ids, prewarm_params(), request_id, cache_salt,
+                    max_in_flight, retention=retention, owner=owner)
     try:
         got = await collect(deltas)
     finally:
         await deltas.aclose()
-    return cache_usage(dataclasses.replace(got.last, num_output_tokens=0), plan)
+    return dataclasses.replace(got.last, text="", token_ids=[], num_output_tokens=0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from dataclasses import replace
 from typing import Any
 
 import msgspec
@@ -18,7 +19,7 @@ from rich.console import Console
 from agentd.cli.stats import render
 from agentd.near_miss import CLAUDE_CODE_FIX, CLAUDE_CODE_HEADER
 from agentd.server.protocol import ChatCompletionRequest
-from agentd.server.retention import prewarm
+from agentd.server.retention import RetentionRequest, cache_usage, prewarm
 from agentd.server.serving_chat import plan_chat
 
 SYSTEM = ("You are a careful research assistant. Cite sources, say what you do not know, and "
@@ -103,7 +104,7 @@ def test_prompt_cache_options_retain_for_their_ttl_and_metrics_show_it(client) -
 
 @pytest.mark.parametrize(("fields", "param"), [
     ({"prompt_cache_retention": "1h"}, "prompt_cache_retention"),
-    ({"prompt_cache_retention": "forever"}, "prompt_cache_retention"),
+    ({"prompt_cache_retention": "in-memory"}, "prompt_cache_retention"),
     ({"prompt_cache_retention": 24}, "prompt_cache_retention"),
     ({"prompt_cache_options": {"ttl": "5m"}}, "prompt_cache_options.ttl"),
     ({"prompt_cache_options": {"ttl": "24h"}}, "prompt_cache_options.ttl"),
@@ -123,19 +124,22 @@ def test_bad_ttls_are_400s_that_change_nothing(client, fields, param) -> None:
 
 
 def test_prewarm_retains_without_generating_and_the_next_request_hits(client) -> None:
-    server = client.app.state.agentd
-    engine = server.require_engine()
-    request = body(unique_system(), prompt_cache_options={"ttl": "30m"})
+    engine = client.app.state.agentd.require_engine()
+    request = body(unique_system())
     plan = plan_chat(msgspec.convert(request, ChatCompletionRequest), engine, engine.model_name, 0)
-    usage = asyncio.run(prewarm(server, plan))
-    num_whole = len(plan.prompt_token_ids) // 16 * 16
-    assert usage.creation == num_whole - usage.read and usage.read < 16
+    ids = plan.prompt_token_ids
+    last = asyncio.run(prewarm(engine, ids, RetentionRequest(len(ids) - 4, 300.0),
+                               f"prewarm-{uuid.uuid4().hex}"))
+    assert (last.num_output_tokens, last.text, last.token_ids) == (0, "", [])
+    num_whole = (len(ids) - 4) // 16 * 16
+    assert last.num_retained_tokens == num_whole and last.num_cached_tokens < 16
+    usage = cache_usage(last, replace(plan, retention=RetentionRequest(len(ids) - 4, 300.0)))
+    assert (usage.read, usage.creation) == (last.num_cached_tokens, num_whole - usage.read)
     entry = engine.pin_summary().retained[0]  # the most recently used first
-    assert (entry.num_tokens, entry.ttl_s, entry.num_hits) == (num_whole, 1800.0, 0)
+    assert (entry.num_tokens, entry.ttl_s, entry.num_hits) == (num_whole, 300.0, 0)
     reply = client.post("/v1/chat/completions", json=request)
     details = reply.json()["usage"]["prompt_tokens_details"]
     assert details["cached_tokens"] >= num_whole  # the next request is a hit
-    assert details["cache_write_tokens"] == 0
     assert [r.num_hits for r in engine.pin_summary().retained
             if r.created_s == entry.created_s] == [1]
 

@@ -183,7 +183,7 @@ def test_the_server_may_retain_a_cached_prefix_directly(tiny_llama, research):
             again = await engine.call(lambda e: e.retain(ids, hold, cache_salt="other"))
             assert again is None  # another salt: other blocks, none cached
             assert (await engine.call(lambda e: e.retain(ids, hold))).new is False
-            [stat] = engine.pin_summary().retained
+            [stat] = await engine.call(lambda e: e.pins.summary().retained)
             assert stat.owner == "tenant-x" and stat.num_blocks == len(ids) // 16
             await press(engine)
             assert (await run(engine, ids)).num_cached_tokens == whole_blocks(len(ids))

@@ -197,17 +197,13 @@ class Usage(msgspec.Struct, kw_only=True):
 
     @classmethod
     def build(
-        cls, num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0,
-        num_cache_write_tokens: int | None = None,
+        cls, num_prompt_tokens: int, num_completion_tokens: int, num_cached_tokens: int = 0
     ) -> Usage:
-        details = PromptTokensDetails(cached_tokens=num_cached_tokens)
-        if num_cache_write_tokens is not None:
-            details.cache_write_tokens = num_cache_write_tokens
         return cls(
             prompt_tokens=num_prompt_tokens,
             completion_tokens=num_completion_tokens,
             total_tokens=num_prompt_tokens + num_completion_tokens,
-            prompt_tokens_details=details,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=num_cached_tokens),
         )
 
 

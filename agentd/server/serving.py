@@ -23,13 +23,13 @@ from litestar.response import Stream
 from agentd.async_engine import AsyncEngine, EngineBusyError, EngineDeadError, RequestStream
 from agentd.outputs import StreamDelta
 from agentd.pins import tenant_salt
+from agentd.retention import HoldRequest
 from agentd.sampling_params import SamplingParams
+from agentd.server.errors import APIError
+from agentd.server.protocol import Usage, error_body
 
 if TYPE_CHECKING:
     from agentd.server.retention import RetentionRequest
-from agentd.retention import HoldRequest
-from agentd.server.errors import APIError
-from agentd.server.protocol import Usage, error_body
 
 T = TypeVar("T")
 RETRY_AFTER_S = 1

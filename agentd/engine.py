@@ -23,6 +23,7 @@ from agentd.model.build import LoadedModel, load_model
 from agentd.outputs import StreamDelta
 from agentd.pins import PendingPin, PinManager, PinResult
 from agentd.request import Request, RequestStatus
+from agentd.retention import HoldRequest, Retained, RetentionManager
 from agentd.runner import ModelRunner
 from agentd.sampler import Sampler
 from agentd.sampling_params import SamplingParams
@@ -57,6 +58,10 @@ class EngineStats:
     num_blocks_pinned: int
     num_pins: int
     num_jump_forward_tokens: int = 0  # output tokens a grammar forced, appended without a step
+    num_retained: int = 0  # prefixes held by cache control (retention), not by name
+    num_blocks_retained: int = 0  # blocks they hold that no pin holds too
+    num_retained_expired: int = 0  # decayed at their TTL
+    num_retained_displaced: int = 0  # decayed early: the pin budget needed room
     spec_num_drafts: int = 0  # request-steps that verified draft tokens
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
@@ -67,6 +72,7 @@ class _Tracked:
     request: Request
     detokenizer: IncrementalDetokenizer
     num_emitted_tokens: int = 0
+    num_retained_tokens: int = 0
 
 
 class LLMEngine:
@@ -101,6 +107,7 @@ class LLMEngine:
         self.pins = PinManager(self.kv_cache, self.tokenizer,
                                int(config.max_pinned_fraction * self.num_blocks))
         self.scheduler.prefix_extension = self.pins.tail_after
+        self.retention = RetentionManager(self.kv_cache, self.pins.registry, self.tokenizer)
         self.pin_results: dict[str, PinResult] = {}  # finished pin prefills, by request id
         self.expired_pins: list[PinKey] = []  # pins whose TTL lapsed, for the registry owner
         self._tracked: dict[str, _Tracked] = {}
@@ -128,12 +135,14 @@ class LLMEngine:
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, cache_salt: str | None = None,
-                    grammar: Any = None) -> str:
+                    grammar: Any = None, retention: HoldRequest | None = None) -> str:
         """Queue a request. Raises ValueError for an empty or too-long prompt, GrammarError for
         a constraint that does not compile (nothing changes either way).
 
         ``grammar`` is ``params.structured_outputs`` compiled by ``self.grammars`` already (the
         server compiles off this thread); without it, the constraint is compiled here.
+        ``retention``: hold the prompt's prefix once computed (its deltas report
+        ``num_retained_tokens``).
         """
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._tracked:
@@ -153,6 +162,8 @@ class LLMEngine:
         self._tracked[request_id] = _Tracked(request, detok)
         if grammar is not None:
             self.structured.add(request_id, grammar)
+        if retention is not None:
+            self.retention.track(request_id, retention)
         self._totals["prompt"] += len(prompt_token_ids)
         return request_id
 
@@ -202,10 +213,18 @@ class LLMEngine:
         """Drop a pin; its blocks become ordinary cached blocks. Raises PinNotFoundError."""
         self.pins.registry.remove(key)
 
+    def retain(self, token_ids: list[int], hold: HoldRequest,
+               cache_salt: str | None = None) -> Retained | None:
+        """Hold the cached whole blocks of ``token_ids[:hold.num_tokens]`` now (see
+        ``RetentionManager.retain``); None when nothing could be held."""
+        return self.retention.retain(token_ids, hold, cache_salt)
+
     def expire_pins(self) -> None:
-        for key in self.pins.registry.expired(time.monotonic()):
+        now = time.monotonic()
+        for key in self.pins.registry.expired(now):
             self.pins.registry.remove(key)
             self.expired_pins.append(key)
+        self.retention.expire(now)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -214,6 +233,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         for request_id in out.admitted_ids:
             self.pins.on_admitted(self.scheduler.requests[request_id])
+            self.retention.on_admitted(self.scheduler.requests[request_id])
         deltas = [self._delta(self._tracked[rid], finished=True,
                               error="the request does not fit in the KV cache pool")
                   for rid in out.failed_ids]
@@ -235,6 +255,9 @@ class LLMEngine:
         now = time.monotonic()
         for request in self.scheduler.update_from_output(out, token_ids):
             tracked = self._tracked[request.request_id]
+            retained = self.retention.after_compute(request)
+            if retained is not None:
+                tracked.num_retained_tokens = retained.num_tokens
             if request.first_token_time_s is None:
                 request.first_token_time_s = now
             if request.request_id in self.structured:
@@ -322,6 +345,7 @@ class LLMEngine:
                 if result is not None:
                     self.pin_results[request.request_id] = result
             del self._tracked[request.request_id]
+            self.retention.forget(request.request_id)
             self.sampler.forget(request.request_id)
             self.speculator.forget(request.request_id)
             self.structured.remove(request.request_id)
@@ -334,6 +358,7 @@ class LLMEngine:
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens or 0,
             num_output_tokens=request.num_output_tokens,
+            num_retained_tokens=tracked.num_retained_tokens,
             finish_reason=request.status.value if finished else None,
             stop_reason=request.stop_reason,
             error=error,
@@ -364,6 +389,10 @@ class LLMEngine:
             num_blocks_pinned=self.pins.registry.num_pinned_blocks,
             num_pins=len(self.pins.registry),
             num_jump_forward_tokens=self._totals["jump_forward"],
+            num_retained=len(self.pins.registry.retained),
+            num_blocks_retained=self.pins.registry.num_retained_blocks,
+            num_retained_expired=self.retention.num_expired,
+            num_retained_displaced=self.pins.registry.num_retained_displaced,
             spec_num_drafts=self.speculator.stats.num_drafts,
             spec_num_draft_tokens=self.speculator.stats.num_draft_tokens,
             spec_num_accepted_tokens=self.speculator.stats.num_accepted_tokens,

@@ -61,7 +61,8 @@ def _option(name: str, **kwargs: Any) -> Any:
 @_option("--max-model-len", default=None, type=int,
          help="Context length [default: what the model and pool allow].")
 @_option("--max-pinned-fraction", default=_DEFAULTS["max_pinned_fraction"], type=float,
-         help="Most of the pool that pinned prefixes may hold.")
+         help="Most of the pool that pins and retained prefixes (cache control) may hold "
+              "together; pins come first.")
 @_option("--device", default=_DEFAULTS["device"], metavar="auto|cpu|cuda[:N]",
          help="Where the model runs.")
 @_option("--dtype", default=_DEFAULTS["dtype"],

@@ -1,5 +1,6 @@
 """``agentd stats``: prefix-cache hit rate (overall and per pin), TTFT of hits vs misses, pool
-blocks, throughput and near misses, as rich tables, JSON, or a live view (``--watch``).
+blocks, throughput, prefixes retained by cache control, and near misses, as rich tables, JSON, or
+a live view (``--watch``).
 
 Invariant: read-only (``GET /v1/stats``, which answers from snapshots, so watching never slows
 the engine); ``--watch`` runs until Ctrl-C and then exits 0.
@@ -18,6 +19,7 @@ from agentd.cli.pins import compact_table, short_duration
 from agentd.cli.status import format_duration
 
 NUM_NEAR_MISSES_SHOWN = 5
+NUM_RETAINED_SHOWN = 10
 
 
 @click.command()
@@ -57,9 +59,13 @@ def render(s: dict[str, Any]) -> Any:
     parts = [_overview(s), _ttft(s["ttft"])]
     if s["pins"]:
         parts.append(_pins(s["pins"]))
+    if s.get("retained"):
+        parts.append(_retained(s["retained"]))
     near = s["near_misses"]
     if near["top"]:
         parts.append(_near_misses(near))
+    if s.get("prompt_near_misses", {}).get("top"):
+        parts.append(_prompt_near_misses(s["prompt_near_misses"]))
     if s.get("pin_restore"):
         parts.append(_restore(s["pin_restore"]))
     return Group(*parts)
@@ -76,9 +82,10 @@ def _overview(s: dict[str, Any]) -> Any:
     queries, hits = s["prefix_cache_queries"], s["prefix_cache_hits"]
     rate = s.get("prefix_cache_hit_rate")
     table.add_row("prefix cache", f"{_pct(rate)} of prompt tokens hit ({hits} of {queries})")
-    pinned = s["num_blocks_pinned"]
+    pinned, retained = s["num_blocks_pinned"], s.get("num_blocks_retained", 0)
     table.add_row("pool blocks", f"{s['num_blocks_free']} free, {s['num_blocks_cached']} cached, "
-                                 f"{pinned} pinned, {s['num_blocks_used'] - pinned} in use "
+                                 f"{pinned} pinned, {retained} retained, "
+                                 f"{s['num_blocks_used'] - pinned - retained} in use "
                                  f"(of {s['num_blocks_total']})")
     table.add_row("requests", f"{s['num_requests_running']} running, "
                               f"{s['num_requests_waiting']} waiting, "
@@ -115,6 +122,23 @@ def _pins(pins: list[dict[str, Any]]) -> Any:
     return table
 
 
+def _retained(retained: list[dict[str, Any]]) -> Any:
+    from rich.markup import escape
+
+    table = compact_table(f"retained prefixes ({len(retained)}): kept by cache control "
+                          "(cache_control, prompt_cache_options, prompt_cache_retention)",
+                          "ends with", ["tokens", "blocks", "hits", "cached\ntokens", "TTL",
+                                        "TTL left"],
+                          caption_justify="left",
+                          caption="each hit refreshes its TTL; over the pin budget the least "
+                                  "recently used decays first; pins are never displaced")
+    for r in retained[:NUM_RETAINED_SHOWN]:
+        table.add_row(escape(r["ends_with"]), str(r["num_tokens"]), str(r["num_blocks"]),
+                      str(r["hits"]), str(r["tokens_served"]), short_duration(r["ttl"]),
+                      short_duration(r["ttl_left_s"]))
+    return table
+
+
 def _near_misses(near: dict[str, Any]) -> Any:
     from rich.console import Group
     from rich.markup import escape
@@ -133,6 +157,31 @@ def _near_misses(near: dict[str, Any]) -> Any:
     for miss in near["recent"][:NUM_NEAR_MISSES_SHOWN]:
         latest.add_row(miss["pin"], f"{miss['divergence_token']} / {miss['pin_num_tokens']}",
                        escape(miss["pin_text"]), escape(miss["request_text"]))
+    return Group(top, latest)
+
+
+def _prompt_near_misses(near: dict[str, Any]) -> Any:
+    """Cache-busters between a client's own requests, by prompt_cache_key, with the span that
+    varies and the client setting that turns it off, when the client is known."""
+    from rich.console import Group
+    from rich.markup import escape
+    from rich.table import Table
+
+    top = Table(title=f"cache-busters ({near['total']}): requests equal to an earlier one of "
+                      "their prompt_cache_key but for a short span", title_justify="left")
+    for column in ("prompt_cache_key", "likely cause", "count"):
+        top.add_column(column, justify="right" if column == "count" else "left")
+    for row in near["top"]:
+        top.add_row(escape(row["key"] or "(none)"), escape(row["cause"]), str(row["count"]))
+    latest = Table(title="latest: the span that varies (⟦this request⟧ vs ⟦the earlier one⟧)",
+                   title_justify="left")
+    for column in ("key", "at token", "span", "tokens lost", "fix"):
+        latest.add_column(column, justify="right" if column in ("at token", "tokens lost")
+                          else "left")
+    for miss in near["recent"][:NUM_NEAR_MISSES_SHOWN]:
+        span = f"{miss['before'][-24:]}⟦{miss['new_span']}⟧ vs ⟦{miss['old_span']}⟧"
+        latest.add_row(escape(miss["key"] or "(none)"), str(miss["at_token"]), escape(span),
+                       str(miss["num_tokens_lost"]), escape(miss["fix"] or "-"))
     return Group(top, latest)
 
 

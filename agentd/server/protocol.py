@@ -80,6 +80,14 @@ class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
 
 
+class PromptCacheOptions(msgspec.Struct, kw_only=True):
+    """OpenAI's ``prompt_cache_options``: ``mode`` "implicit" (the default: the prompt is one
+    breakpoint) or "explicit" (only marked breakpoints), ``ttl`` "30m" or "12h"."""
+
+    mode: str | None = None
+    ttl: str | None = None
+
+
 class JSONSchemaFormat(msgspec.Struct, kw_only=True):
     name: str | None = None
     schema: dict[str, Any] | None = None
@@ -142,6 +150,9 @@ class ChatCompletionRequest(ConstraintFields, kw_only=True):
     user: str | None = None
     ignore_eos: bool = False  # vLLM extension
     cache_salt: str | None = None  # vLLM extension
+    prompt_cache_key: str | None = None  # names a conversation or agent: stats by key
+    prompt_cache_retention: str | None = None  # "in_memory" | "24h": keep the prompt cached
+    prompt_cache_options: PromptCacheOptions | None = None
 
 
 class CompletionRequest(ConstraintFields, kw_only=True):
@@ -174,6 +185,8 @@ class CompletionRequest(ConstraintFields, kw_only=True):
 
 class PromptTokensDetails(msgspec.Struct, kw_only=True):
     cached_tokens: int = 0
+    # prompt tokens computed and retained for a request that asked to retain its prefix
+    cache_write_tokens: int | UnsetType = UNSET
 
 
 class Usage(msgspec.Struct, kw_only=True):

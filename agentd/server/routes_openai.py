@@ -70,10 +70,12 @@ class OpenAIController(Controller):
         plan = await asyncio.to_thread(plan_chat, data, engine, model, int(time.time()))
         grammar = await compile_constraint(engine, plan.constraint)
         on_finish = partial(server.metrics.observe_finished, model)
+        tenant = cache_tenant(request)
         deltas = submit(engine, plan.prompt_token_ids, plan.params, plan.request_id,
-                        effective_cache_salt(cache_tenant(request), plan.cache_salt),
-                        server.max_in_flight(engine), grammar)
+                        effective_cache_salt(tenant, plan.cache_salt),
+                        server.max_in_flight(engine), grammar, plan.retention, tenant)
         server.arrived(request.scope)
+        server.observe_prompt(tenant, plan.prompt_cache_key, plan.prompt_token_ids)
         if data.stream:
             return event_stream(stream_chat(plan, deltas, on_finish))
         return await until_disconnect(request, complete_chat(plan, deltas, on_finish), deltas)

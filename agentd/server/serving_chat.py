@@ -12,6 +12,10 @@ A turn holds one call unless the client sends ``parallel_tool_calls: true`` (Ope
 several): offered another call after the first, small models repeat it until max_tokens —
 SmolLM2 called ``list_dir`` with the same arguments until its 120 tokens ran out — and an agent
 would run each repeat.
+
+Cache fields. ``prompt_cache_retention: "24h"`` and ``prompt_cache_options`` retain the prompt
+(``agentd.server.retention``); the usage then reports ``cache_write_tokens`` beside
+``cached_tokens``. ``prompt_cache_key`` names the conversation or agent for near-miss reports.
 """
 
 from __future__ import annotations
@@ -37,11 +41,13 @@ from agentd.server.protocol import (
     DeltaToolCall,
     FunctionCall,
     ToolCall,
+    Usage,
     to_sampling_params,
     to_template_inputs,
     validate_chat_request,
     validate_prompt_len,
 )
+from agentd.server.retention import RetentionRequest, cache_usage, openai_retention
 from agentd.server.serving import (
     SSE_DONE,
     collect,
@@ -71,6 +77,8 @@ class ChatPlan:
     constraint: Constraint | None
     include_usage: bool
     cache_salt: str | None
+    retention: RetentionRequest | None = None
+    prompt_cache_key: str | None = None
 
 
 def plan_chat(req: ChatCompletionRequest, engine: AsyncEngine, model: str,
@@ -97,12 +105,14 @@ def plan_chat(req: ChatCompletionRequest, engine: AsyncEngine, model: str,
     if constraint is not None:
         params.structured_outputs = constraint.params
     validate_prompt_len(len(prompt_token_ids), params.max_tokens, engine.max_model_len)
+    retention = openai_retention(req.prompt_cache_retention, req.prompt_cache_options,
+                                 len(prompt_token_ids))
     return ChatPlan(
         request_id=new_request_id("chatcmpl"), model=model, created=created,
         prompt_token_ids=prompt_token_ids, params=params,
         tool_mode=ToolMode.PARSE if tools_on else ToolMode.OFF, constraint=constraint,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
-        cache_salt=req.cache_salt,
+        cache_salt=req.cache_salt, retention=retention, prompt_cache_key=req.prompt_cache_key,
     )
 
 
@@ -122,7 +132,7 @@ async def complete_chat(plan: ChatPlan, deltas: AsyncIterator[StreamDelta],
     return ChatCompletion(
         id=plan.request_id, created=plan.created, model=plan.model,
         choices=[ChatCompletionChoice(index=0, message=message, finish_reason=finish_reason)],
-        usage=usage_of(got.last),
+        usage=_usage(plan, got.last),
     )
 
 
@@ -156,7 +166,7 @@ async def stream_chat(plan: ChatPlan, deltas: RequestStream,
             if plan.include_usage:
                 yield sse(ChatCompletionChunk(id=plan.request_id, created=plan.created,
                                               model=plan.model, choices=[],
-                                              usage=usage_of(last)))
+                                              usage=_usage(plan, last)))
             on_finish(last, finish_reason)
     except APIError as exc:
         yield sse_error(exc)
@@ -165,6 +175,14 @@ async def stream_chat(plan: ChatPlan, deltas: RequestStream,
     finally:
         await deltas.aclose()  # aborts it if unfinished
     yield SSE_DONE
+
+
+def _usage(plan: ChatPlan, last: StreamDelta) -> Usage:
+    """OpenAI's usage; ``cache_write_tokens`` only for a request that asked to retain."""
+    usage = usage_of(last)
+    if plan.retention is not None:
+        usage.prompt_tokens_details.cache_write_tokens = cache_usage(last, plan).creation
+    return usage
 
 
 def _finish_reason(has_calls: bool, last: StreamDelta) -> str:

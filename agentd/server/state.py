@@ -41,6 +41,7 @@ from agentd.server.metrics import EngineSnapshot, ServerMetrics
 if TYPE_CHECKING:
     from agentd.async_engine import AsyncEngine
     from agentd.pin_service import PinService
+    from agentd.server.prompt_history import PromptHistory
 
 logger = logging.getLogger("agentd.server")
 _LOAD_JOIN_TIMEOUT_S = 300.0
@@ -103,6 +104,7 @@ class ServerState:
         self.engine = engine
         self.owns_engine = engine is None
         self.pins: PinService | None = None
+        self.prompt_history: PromptHistory | None = None  # near misses by prompt_cache_key
         self.load_error: str | None = None
         self.closing = False
         self.started_s = time.monotonic()
@@ -261,6 +263,19 @@ class ServerState:
                            code="model_not_found")
         return engine.model_name
 
+    def observe_prompt(self, tenant: str | None, key: str | None,
+                       token_ids: list[int]) -> None:
+        """Look for a cache-buster between this prompt and its group's recent ones, in a worker
+        thread (call it after submitting: it never delays the request)."""
+        engine = self.require_engine()
+        if self.prompt_history is None:
+            from agentd.server.prompt_history import PromptHistory
+
+            self.prompt_history = PromptHistory(engine.tokenizer)
+        future = asyncio.get_running_loop().run_in_executor(
+            None, self.prompt_history.observe, tenant, key, token_ids)
+        future.add_done_callback(_log_failure)
+
     def max_in_flight(self, engine: AsyncEngine) -> int:
         """Requests that may be in flight at once: a full batch plus ``max_queue`` waiting."""
         return engine.max_num_seqs + self.settings.max_queue
@@ -270,6 +285,11 @@ class ServerState:
         if engine is None:
             return None
         return EngineSnapshot(engine.model_name, engine.stats(), engine.pin_summary())
+
+
+def _log_failure(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        logger.warning("near-miss check failed", exc_info=future.exception())
 
 
 def _abort_margin_s(grace_s: float) -> float:

@@ -10,12 +10,13 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from agentd.cache import KVCacheManager, PinKey
+from agentd.cache import BlockHash, KVCacheManager, PinKey
 from agentd.config import EngineConfig
 from agentd.detokenizer import IncrementalDetokenizer
 from agentd.kernels import get_attention_backend
@@ -30,6 +31,7 @@ from agentd.scheduler import Scheduler
 from agentd.structured.compiler import GrammarCompiler
 from agentd.structured.jump_forward import plan_jump
 from agentd.structured.matchers import StructuredOutputs
+from agentd.tails import TailKeeper
 
 logger = logging.getLogger("agentd")
 GRAMMAR_DEAD_END = ("the output constraint allows no further token (a grammar dead end); the "
@@ -56,6 +58,7 @@ class EngineStats:
     num_blocks_pinned: int
     num_pins: int
     num_jump_forward_tokens: int = 0  # output tokens a grammar forced, appended without a step
+    num_tail_blocks: int = 0  # stored conversations' last partial blocks (agentd.tails)
 
 
 @dataclass
@@ -95,7 +98,9 @@ class LLMEngine:
         self.structured = StructuredOutputs(vocab_size)
         self.pins = PinManager(self.kv_cache, self.tokenizer,
                                int(config.max_pinned_fraction * self.num_blocks))
-        self.scheduler.prefix_extension = self.pins.tail_after
+        # conversations continued by token ids (stored responses) keep their last partial block
+        self.tails = TailKeeper(self.kv_cache, max(1, self.num_blocks // 8))
+        self.scheduler.prefix_extension = self._prefix_extension
         self.pin_results: dict[str, PinResult] = {}  # finished pin prefills, by request id
         self.expired_pins: list[PinKey] = []  # pins whose TTL lapsed, for the registry owner
         self._tracked: dict[str, _Tracked] = {}
@@ -123,9 +128,10 @@ class LLMEngine:
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, cache_salt: str | None = None,
-                    grammar: Any = None) -> str:
+                    grammar: Any = None, keep_tail: bool = False) -> str:
         """Queue a request. Raises ValueError for an empty or too-long prompt, GrammarError for
-        a constraint that does not compile (nothing changes either way).
+        a constraint that does not compile (nothing changes either way). ``keep_tail``: hold its
+        partial last block once it finishes, until ``tails.release(request_id)``.
 
         ``grammar`` is ``params.structured_outputs`` compiled by ``self.grammars`` already (the
         server compiles off this thread); without it, the constraint is compiled here.
@@ -149,6 +155,8 @@ class LLMEngine:
         if grammar is not None:
             self.structured.add(request_id, grammar)
         self._totals["prompt"] += len(prompt_token_ids)
+        if keep_tail:
+            self.tails.want(request_id)
         return request_id
 
     def abort_request(self, request_id: str) -> StreamDelta | None:
@@ -223,6 +231,7 @@ class LLMEngine:
         dead_ends = set(self.structured.apply(result.logits, result.request_ids))
         token_ids = self.sampler.sample(result.logits, requests)
         now = time.monotonic()
+        items = {item.request_id: item for item in out.scheduled}
         for request in self.scheduler.update_from_output(out, dict(zip(result.request_ids,
                                                                         token_ids, strict=True))):
             tracked = self._tracked[request.request_id]
@@ -241,8 +250,17 @@ class LLMEngine:
             if tracked.detokenizer.stop_reason is not None and not request.status.finished:
                 request.stop_reason = tracked.detokenizer.stop_reason
                 self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            if request.status.finished:
+                self.tails.on_finished(request, items.get(request.request_id))
             deltas.append(self._delta(tracked, finished=request.status.finished))
         return deltas
+
+    def _prefix_extension(self, block_hashes: Sequence[BlockHash],
+                          next_tokens: list[int]) -> tuple[int, int] | None:
+        """The longest tail past a request's cached chain: a pin's or a kept conversation's."""
+        found = [self.pins.tail_after(block_hashes, next_tokens),
+                 self.tails.tail_after(block_hashes, next_tokens)]
+        return max((f for f in found if f is not None), key=lambda f: f[1], default=None)
 
     def _advance_grammar(self, request: Request, dead_end: bool) -> bool:
         """Feed the sampled token to the request's matcher; False (request finished) when the
@@ -287,6 +305,7 @@ class LLMEngine:
                 if result is not None:
                     self.pin_results[request.request_id] = result
             del self._tracked[request.request_id]
+            self.tails.forget(request.request_id)
             self.sampler.forget(request.request_id)
             self.structured.remove(request.request_id)
             self._totals["finished"] += 1
@@ -328,4 +347,5 @@ class LLMEngine:
             num_blocks_pinned=self.pins.registry.num_pinned_blocks,
             num_pins=len(self.pins.registry),
             num_jump_forward_tokens=self._totals["jump_forward"],
+            num_tail_blocks=len(self.tails),
         )

@@ -28,6 +28,7 @@ from agentd.server.local_token import TOKEN_HEADER
 from agentd.server.routes_admin import AdminController, health, metrics
 from agentd.server.routes_openai import OpenAIController
 from agentd.server.routes_pins import PinsController
+from agentd.server.routes_responses import ResponsesController
 from agentd.server.state import ServerSettings, ServerState, count_arrivals
 from agentd.server.web_guard import web_guard
 
@@ -70,7 +71,8 @@ def create_app(config: EngineConfig, *, engine: AsyncEngine | None = None,
             await asyncio.to_thread(server.close)
 
     return Litestar(
-        route_handlers=[OpenAIController, PinsController, AdminController, health, metrics],
+        route_handlers=[OpenAIController, ResponsesController, PinsController, AdminController,
+                        health, metrics],
         # web_guard first: a request arrives (count_arrivals) once its body is whole
         middleware=[partial(web_guard, server=server), partial(count_arrivals, server=server)],
         cors_config=_cors(settings.cors_origins),

@@ -22,7 +22,7 @@ MAX_STOP_SEQUENCES = 4
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what a torch generator accepts
 TOOL_CHOICE_STRINGS = ("none", "auto", "required")
 ROLES = ("system", "developer", "user", "assistant", "tool")
-_FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _MSGSPEC_PATH = re.compile(r" - at `\$\.?(.*)`$")
 
 
@@ -142,6 +142,8 @@ class ChatCompletionRequest(ConstraintFields, kw_only=True):
     user: str | None = None
     ignore_eos: bool = False  # vLLM extension
     cache_salt: str | None = None  # vLLM extension
+    prompt_cache_key: str | None = None  # names a conversation or agent: stats by key
+    prompt_cache_retention: str | None = None  # "in_memory" | "24h": keep the prompt cached
 
 
 class CompletionRequest(ConstraintFields, kw_only=True):
@@ -354,7 +356,7 @@ def validate_chat_request(req: ChatCompletionRequest, max_model_len: int) -> Non
     for i, message in enumerate(req.messages):
         _check_message(message, f"messages[{i}]")
     if req.max_completion_tokens is not None:
-        _check_max_tokens(req.max_completion_tokens, "max_completion_tokens", max_model_len)
+        check_max_tokens(req.max_completion_tokens, "max_completion_tokens", max_model_len)
     if req.logprobs:
         raise RequestValidationError(
             "logprobs is not supported; omit it or set it to false", "logprobs"
@@ -362,6 +364,10 @@ def validate_chat_request(req: ChatCompletionRequest, max_model_len: int) -> Non
     if req.top_logprobs:
         raise RequestValidationError("top_logprobs is not supported; omit it", "top_logprobs")
     _check_sampling(req, max_model_len)
+    if req.prompt_cache_retention not in (None, "in_memory", "in-memory", "24h"):
+        raise RequestValidationError(
+            "prompt_cache_retention must be 'in_memory' or '24h', got "
+            f"{req.prompt_cache_retention!r}", "prompt_cache_retention")
     tool_names = _check_tools(req.tools or [])
     _check_tool_choice(req.tool_choice, tool_names)
 
@@ -432,7 +438,7 @@ def _check_message(message: ChatMessage, where: str) -> None:
             )
 
 
-def _check_max_tokens(value: int, name: str, max_model_len: int) -> None:
+def check_max_tokens(value: int, name: str, max_model_len: int) -> None:
     if value <= 0:
         raise RequestValidationError(f"{name} must be at least 1, got {value}", name)
     if value > max_model_len:
@@ -441,7 +447,7 @@ def _check_max_tokens(value: int, name: str, max_model_len: int) -> None:
         )
 
 
-def _check_range(
+def check_range(
     value: float | None, name: str, low: float, high: float, low_open: bool = False
 ) -> None:
     if value is None:
@@ -458,11 +464,11 @@ def _check_sampling(req: ChatCompletionRequest | CompletionRequest, max_model_le
             f"n must be 1 (only one choice is supported), got {req.n}", "n"
         )
     if req.max_tokens is not None:
-        _check_max_tokens(req.max_tokens, "max_tokens", max_model_len)
-    _check_range(req.temperature, "temperature", 0.0, 2.0)
-    _check_range(req.top_p, "top_p", 0.0, 1.0, low_open=True)
-    _check_range(req.presence_penalty, "presence_penalty", -2.0, 2.0)
-    _check_range(req.frequency_penalty, "frequency_penalty", -2.0, 2.0)
+        check_max_tokens(req.max_tokens, "max_tokens", max_model_len)
+    check_range(req.temperature, "temperature", 0.0, 2.0)
+    check_range(req.top_p, "top_p", 0.0, 1.0, low_open=True)
+    check_range(req.presence_penalty, "presence_penalty", -2.0, 2.0)
+    check_range(req.frequency_penalty, "frequency_penalty", -2.0, 2.0)
     if req.seed is not None and not SEED_MIN <= req.seed <= SEED_MAX:
         raise RequestValidationError(
             f"seed must be a 64-bit integer in [{SEED_MIN}, {SEED_MAX}], got {req.seed}", "seed"
@@ -491,7 +497,7 @@ def _check_tools(tools: list[Tool]) -> list[str]:
                 f"{where}.type must be 'function', got {tool.type!r}", f"{where}.type"
             )
         name = tool.function.name
-        if not _FUNCTION_NAME.match(name):
+        if not FUNCTION_NAME.match(name):
             raise RequestValidationError(
                 f"{where}.function.name must be 1-64 characters of a-z, A-Z, 0-9, '_' or '-', "
                 f"got {name!r}",
@@ -502,12 +508,12 @@ def _check_tools(tools: list[Tool]) -> list[str]:
                 f"{where}.function.name {name!r} is used by more than one tool",
                 f"{where}.function.name",
             )
-        _check_parameters(tool.function.parameters, f"{where}.function.parameters")
+        check_parameters(tool.function.parameters, f"{where}.function.parameters")
         names.append(name)
     return names
 
 
-def _check_parameters(parameters: dict[str, Any] | None, where: str) -> None:
+def check_parameters(parameters: dict[str, Any] | None, where: str) -> None:
     if parameters is None:
         return
     if parameters.get("type", "object") != "object":

@@ -40,11 +40,12 @@ from agentd.server.serving import (
 from agentd.server.serving_chat import complete_chat, plan_chat, stream_chat
 from agentd.server.serving_completion import complete_text, plan_completion, stream_text
 from agentd.server.state import cache_tenant, require_api_key, server_of
+from agentd.server.wires.plan import start
 
 _STREAM_NOTE = ("With `stream: true` the reply is `text/event-stream`: `data: {chunk}` events "
                 "and a final `data: [DONE]`.")
 
-_ERRORS = {status: ResponseSpec(data_container=ErrorResponse, description=description)
+ERROR_RESPONSES = {status: ResponseSpec(data_container=ErrorResponse, description=description)
            for status, description in (
                (400, "Bad request (OpenAI error envelope)"), (401, "Missing or wrong API key"),
                (404, "Unknown model"), (413, "Request body too large"),
@@ -59,7 +60,7 @@ class OpenAIController(Controller):
     tags = ["OpenAI"]
 
     @post("/chat/completions", status_code=200, summary="Create a chat completion",
-          description=_STREAM_NOTE, responses=_ERRORS)
+          description=_STREAM_NOTE, responses=ERROR_RESPONSES)
     async def chat_completions(self, request: Request[Any, Any, Any],
                                data: ChatBody, state: State) -> ChatCompletion | Stream:
         server = server_of(state)
@@ -68,18 +69,14 @@ class OpenAIController(Controller):
         server.unknown_fields.note(await request.body(), ChatCompletionRequest, request.url.path)
         check_chat_size(data, engine.tokenizer, engine.max_model_len)
         plan = await asyncio.to_thread(plan_chat, data, engine, model, int(time.time()))
-        grammar = await compile_constraint(engine, plan.constraint)
-        on_finish = partial(server.metrics.observe_finished, model)
-        deltas = submit(engine, plan.prompt_token_ids, plan.params, plan.request_id,
-                        effective_cache_salt(cache_tenant(request), plan.cache_salt),
-                        server.max_in_flight(engine), grammar)
-        server.arrived(request.scope)
+        started = await start(request, server, plan)
         if data.stream:
-            return event_stream(stream_chat(plan, deltas, on_finish))
-        return await until_disconnect(request, complete_chat(plan, deltas, on_finish), deltas)
+            return event_stream(stream_chat(plan, started.deltas, started.on_finish))
+        return await until_disconnect(
+            request, complete_chat(plan, started.deltas, started.on_finish), started.deltas)
 
     @post("/completions", status_code=200, summary="Create a text completion",
-          description=_STREAM_NOTE, responses=_ERRORS)
+          description=_STREAM_NOTE, responses=ERROR_RESPONSES)
     async def completions(self, request: Request[Any, Any, Any], data: CompletionBody,
                           state: State) -> Completion | Stream:
         server = server_of(state)

@@ -16,14 +16,12 @@ would run each repeat.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 
 from agentd.async_engine import AsyncEngine, RequestStream
 from agentd.chat import render_chat
 from agentd.outputs import StreamDelta
-from agentd.sampling_params import SamplingParams
-from agentd.server.constraints import Constraint, output_format, tool_constraint
+from agentd.server.constraints import output_format, tool_constraint
 from agentd.server.errors import APIError
 from agentd.server.protocol import (
     ChatCompletion,
@@ -42,6 +40,7 @@ from agentd.server.protocol import (
     validate_chat_request,
     validate_prompt_len,
 )
+from agentd.server.retention import OPENAI_RETENTIONS, RetentionRequest
 from agentd.server.serving import (
     SSE_DONE,
     collect,
@@ -53,28 +52,12 @@ from agentd.server.serving import (
     usage_of,
 )
 from agentd.server.tool_calls import Piece, ToolCallAssembler, ToolMode
+from agentd.server.wires.plan import OnFinish, Plan
 from agentd.tool_parser import CallStartEvent
-
-OnFinish = Callable[[StreamDelta, str], None]
-
-
-@dataclass(frozen=True)
-class ChatPlan:
-    """Everything needed to run one chat request and shape its reply."""
-
-    request_id: str
-    model: str
-    created: int
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    tool_mode: ToolMode
-    constraint: Constraint | None
-    include_usage: bool
-    cache_salt: str | None
 
 
 def plan_chat(req: ChatCompletionRequest, engine: AsyncEngine, model: str,
-              created: int) -> ChatPlan:
+              created: int) -> Plan:
     """Validate ``req`` and render it to token ids; raises OpenAI-shaped 400 errors."""
     validate_chat_request(req, engine.max_model_len)
     inputs = to_template_inputs(req)
@@ -97,16 +80,24 @@ def plan_chat(req: ChatCompletionRequest, engine: AsyncEngine, model: str,
     if constraint is not None:
         params.structured_outputs = constraint.params
     validate_prompt_len(len(prompt_token_ids), params.max_tokens, engine.max_model_len)
-    return ChatPlan(
+    return Plan(
         request_id=new_request_id("chatcmpl"), model=model, created=created,
         prompt_token_ids=prompt_token_ids, params=params,
         tool_mode=ToolMode.PARSE if tools_on else ToolMode.OFF, constraint=constraint,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
-        cache_salt=req.cache_salt,
+        cache_salt=req.cache_salt, prompt_cache_key=req.prompt_cache_key,
+        retention=chat_retention(req, len(prompt_token_ids)),
     )
 
 
-async def complete_chat(plan: ChatPlan, deltas: AsyncIterator[StreamDelta],
+def chat_retention(req: ChatCompletionRequest, num_tokens: int) -> RetentionRequest | None:
+    """``prompt_cache_retention`` asks that the whole prompt be kept that long."""
+    if req.prompt_cache_retention is None:
+        return None
+    return RetentionRequest(num_tokens, OPENAI_RETENTIONS[req.prompt_cache_retention])
+
+
+async def complete_chat(plan: Plan, deltas: AsyncIterator[StreamDelta],
                         on_finish: OnFinish) -> ChatCompletion:
     """Collect the whole generation into one ``ChatCompletion``."""
     got = await collect(deltas)
@@ -126,7 +117,7 @@ async def complete_chat(plan: ChatPlan, deltas: AsyncIterator[StreamDelta],
     )
 
 
-async def stream_chat(plan: ChatPlan, deltas: RequestStream,
+async def stream_chat(plan: Plan, deltas: RequestStream,
                       on_finish: OnFinish) -> AsyncIterator[bytes]:
     """SSE chunks for one submitted generation. Closing this generator early aborts the
     request; so does dropping it unstarted (``RequestStream`` aborts when garbage-collected).

@@ -26,6 +26,7 @@ from agentd.config import EngineConfig
 from agentd.server.errors import EXCEPTION_HANDLERS
 from agentd.server.local_token import TOKEN_HEADER
 from agentd.server.routes_admin import AdminController, health, metrics
+from agentd.server.routes_anthropic import MessagesController
 from agentd.server.routes_openai import OpenAIController
 from agentd.server.routes_pins import PinsController
 from agentd.server.routes_responses import ResponsesController
@@ -71,8 +72,8 @@ def create_app(config: EngineConfig, *, engine: AsyncEngine | None = None,
             await asyncio.to_thread(server.close)
 
     return Litestar(
-        route_handlers=[OpenAIController, ResponsesController, PinsController, AdminController,
-                        health, metrics],
+        route_handlers=[OpenAIController, ResponsesController, MessagesController,
+                        PinsController, AdminController, health, metrics],
         # web_guard first: a request arrives (count_arrivals) once its body is whole
         middleware=[partial(web_guard, server=server), partial(count_arrivals, server=server)],
         cors_config=_cors(settings.cors_origins),
@@ -94,5 +95,6 @@ def _cors(origins: tuple[str, ...]) -> CORSConfig | None:
     if not origins:
         return None
     return CORSConfig(allow_origins=list(origins), allow_methods=["GET", "POST", "DELETE"],
-                      allow_headers=["authorization", "content-type", TOKEN_HEADER],
+                      allow_headers=["authorization", "content-type", "x-api-key",
+                                     "anthropic-version", TOKEN_HEADER],
                       expose_headers=["retry-after"], max_age=600)

@@ -326,7 +326,8 @@ def server_of(state: State) -> ServerState:
 
 
 def require_api_key(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
-    """Litestar guard: when API keys are set, ``Authorization: Bearer <key>`` must match one.
+    """Litestar guard: when API keys are set, ``Authorization: Bearer <key>`` (or Anthropic's
+    ``x-api-key: <key>``) must match one.
 
     With per-key caches, a tenant key's id goes to ``connection.state.cache_tenant``; whether the
     key is an operator's goes to ``connection.state.operator``.
@@ -336,11 +337,13 @@ def require_api_key(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRoute
     if not keys:
         return
     scheme, _sep, token = connection.headers.get("authorization", "").partition(" ")
+    if "authorization" not in connection.headers and "x-api-key" in connection.headers:
+        scheme, token = "bearer", connection.headers["x-api-key"]
     given = token.strip().encode()
     matched = [key for key in keys if hmac.compare_digest(given, key.encode())]
     if scheme.lower() != "bearer" or not matched:
         raise APIError(401, "missing or incorrect API key; send 'Authorization: Bearer <key>' "
-                       "with a key given to `agentd start --api-key`",
+                       "(or 'x-api-key: <key>') with a key given to `agentd start --api-key`",
                        headers={"WWW-Authenticate": "Bearer"})
     if settings.per_key_cache and matched[0] not in settings.admin_keys:
         connection.state.cache_tenant = tenant_of(matched[0])

@@ -382,22 +382,23 @@ def validate_completion_request(req: CompletionRequest, max_model_len: int) -> N
     _check_sampling(req, max_model_len)
 
 
-def validate_prompt_len(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+def validate_prompt_len(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
+                        param: str = "messages", max_tokens_param: str = "max_tokens") -> None:
     """Reject a rendered prompt that leaves no room, or too little room, to generate: a 400 with
     OpenAI's code ``context_length_exceeded`` that names both numbers (what SDKs and agent
     frameworks look for to trim a conversation)."""
     if num_prompt_tokens >= max_model_len:
         raise RequestValidationError(
             f"the prompt is {num_prompt_tokens} tokens, but the model's context length "
-            f"(max_model_len) is {max_model_len} tokens; shorten the messages",
-            "messages",
+            f"(max_model_len) is {max_model_len} tokens; shorten the {param}",
+            param,
             code="context_length_exceeded",
         )
     if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
         raise RequestValidationError(
-            f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds "
-            f"max_model_len ({max_model_len}); lower max_tokens",
-            "max_tokens",
+            f"the prompt ({num_prompt_tokens} tokens) plus {max_tokens_param} ({max_tokens}) "
+            f"exceeds max_model_len ({max_model_len}); lower {max_tokens_param}",
+            max_tokens_param,
             code="context_length_exceeded",
         )
 

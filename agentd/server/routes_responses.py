@@ -92,9 +92,10 @@ def _stored(server: ServerState, tenant: str | None, response_id: str,
 
 
 def _not_found(response_id: str, param: str) -> APIError:
-    return APIError(404, f"no stored response with id {response_id!r}: it is unknown, has "
-                    "expired (see `agentd start --response-store-ttl`), was deleted, was made "
-                    "with store: false, or belongs to another API key", param=param,
+    return APIError(404, f"{param} {response_id!r}: no stored response has this id: it is "
+                    "unknown, has expired (see `agentd start --response-store-ttl`), was "
+                    "deleted, was made with store: false, or belongs to another API key",
+                    param=param,
                     code="response_not_found")
 
 

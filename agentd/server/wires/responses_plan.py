@@ -75,7 +75,8 @@ def plan_responses(req: ResponsesRequest, engine: AsyncEngine, model: str, creat
                             top_p=1.0 if req.top_p is None else req.top_p)
     if constraint is not None:
         params.structured_outputs = constraint.params
-    validate_prompt_len(len(prompt_ids), max_tokens, engine.max_model_len)
+    validate_prompt_len(len(prompt_ids), max_tokens, engine.max_model_len, "input",
+                        "max_output_tokens")
     request_id = new_request_id("resp").replace("-", "_")
     plan = Plan(request_id=request_id, model=model, created=created,
                 prompt_token_ids=prompt_ids, params=params,

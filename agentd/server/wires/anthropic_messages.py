@@ -50,6 +50,13 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     service_tier: str | None = None
     container: Any = None
     mcp_servers: Any = None
+    output_config: dict[str, Any] | None = None  # format: a JSON schema for the reply
+    # accepted and ignored: they change nothing a local model does
+    diagnostics: dict[str, Any] | None = None
+    inference_geo: str | None = None
+    speed: str | None = None
+    user_profile_id: str | None = None
+    workspace_id: str | None = None
 
 
 @dataclass

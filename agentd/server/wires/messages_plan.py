@@ -16,7 +16,7 @@ from typing import Any
 from agentd.async_engine import AsyncEngine
 from agentd.chat import plain_text_ids
 from agentd.sampling_params import SamplingParams
-from agentd.server.constraints import tool_constraint
+from agentd.server.constraints import Constraint, tool_constraint
 from agentd.server.protocol import RequestValidationError as Invalid
 from agentd.server.protocol import check_max_tokens, check_range, validate_prompt_len
 from agentd.server.retention import RetentionRequest
@@ -29,6 +29,7 @@ from agentd.server.wires.anthropic_messages import (
 )
 from agentd.server.wires.plan import Plan
 from agentd.server.wires.prompts import breakpoint_len, render_ids
+from agentd.structured.params import StructuredOutputsParams
 
 
 @dataclass(frozen=True)
@@ -67,9 +68,10 @@ def plan_messages(req: MessagesRequest, engine: AsyncEngine, model: str,
         raise Invalid("stop_sequences must be non-empty strings", "stop_sequences")
     conv, ids = prompt_ids(req, engine)
     tools = conv.tools
-    constraint = None
+    constraint = _output_format(req.output_config)
     if tools.on:
-        constraint = tool_constraint(tools.tools or [], tools.tool_choice, tools.parallel, None)
+        constraint = tool_constraint(tools.tools or [], tools.tool_choice, tools.parallel,
+                                     constraint)
     params = SamplingParams(max_tokens=max(req.max_tokens, 1),
                             temperature=1.0 if req.temperature is None else req.temperature,
                             top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k,
@@ -83,6 +85,19 @@ def plan_messages(req: MessagesRequest, engine: AsyncEngine, model: str,
                 prompt_cache_key=_user_id(req.metadata),
                 retention=_retention(conv, engine.tokenizer, ids))
     return MessagesJob(plan, stops, prewarm=req.max_tokens == 0)
+
+
+def _output_format(config: dict[str, Any] | None) -> Constraint | None:
+    """``output_config.format``: ``{"type": "json_schema", "schema": ...}`` constrains the
+    reply's text (``effort`` is accepted and changes nothing here)."""
+    fmt = (config or {}).get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(
+            fmt.get("schema"), dict):
+        raise Invalid('output_config.format must be {"type": "json_schema", "schema": {...}}',
+                      "output_config.format")
+    return Constraint(StructuredOutputsParams(json=fmt["schema"]), "output_config.format")
 
 
 def _retention(conv: Conversation, tokenizer: Any, ids: list[int]) -> RetentionRequest | None:

@@ -178,3 +178,23 @@ def test_responses_are_kept_per_api_key(tiny, serve) -> None:
         with pytest.raises(openai.NotFoundError):
             b.responses.delete(response.id)
         a.responses.delete(response.id)
+
+
+def test_prompt_cache_key_stats(client: openai.OpenAI, served) -> None:
+    from click.testing import CliRunner
+
+    from agentd.cli.stats import command as stats_command
+
+    url, _ = served
+    for _ in range(2):
+        client.responses.create(model=MODEL, input="Same prompt, same key.", store=False,
+                                max_output_tokens=2, prompt_cache_key="agent-blue")
+    client.chat.completions.create(model=MODEL, max_tokens=2, prompt_cache_key="agent-blue",
+                                   messages=[{"role": "user", "content": "Same prompt."}])
+    [row] = [r for r in client.get("/stats", cast_to=object)["by_key"]
+             if r["key"] == "agent-blue"]
+    assert row["requests"] == 3 and row["hits"] >= 1  # the second response hit the first
+    assert 0 < row["cached_tokens"] < row["prompt_tokens"]
+    shown = CliRunner().invoke(stats_command, ["--by-key", "--url", url])
+    assert shown.exit_code == 0, shown.output
+    assert "agent-blue" in shown.output and "hit rate" in shown.output

@@ -69,6 +69,7 @@ def create_app(config: EngineConfig, *, engine: AsyncEngine | None = None,
             yield
         finally:
             expiry.cancel()
+            server.responses.clear()  # an engine that outlives the app keeps no tail of ours
             await asyncio.to_thread(server.close)
 
     return Litestar(

@@ -89,6 +89,18 @@ def check_completion_size(req: CompletionRequest, tokenizer: Any, max_model_len:
                        "prompt", code="context_length_exceeded")
 
 
+def text_chars(value: Any, keys: tuple[str, ...]) -> int:
+    """Characters of the text a JSON value holds: strings, in lists, and under ``keys`` of
+    objects (a wire's text fields: messages, tool arguments and results)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list):
+        return sum(text_chars(item, keys) for item in value)
+    if isinstance(value, dict):
+        return sum(text_chars(value[key], keys) for key in keys if key in value)
+    return 0
+
+
 def check_chars(num_chars: int, tokenizer: Any, max_model_len: int, param: str) -> None:
     min_tokens = -(-num_chars // max_token_chars(tokenizer))
     if min_tokens >= max_model_len:

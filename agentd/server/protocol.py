@@ -143,7 +143,6 @@ class ChatCompletionRequest(ConstraintFields, kw_only=True):
     ignore_eos: bool = False  # vLLM extension
     cache_salt: str | None = None  # vLLM extension
     prompt_cache_key: str | None = None  # names a conversation or agent: stats by key
-    prompt_cache_retention: str | None = None  # "in_memory" | "24h": keep the prompt cached
 
 
 class CompletionRequest(ConstraintFields, kw_only=True):
@@ -364,10 +363,6 @@ def validate_chat_request(req: ChatCompletionRequest, max_model_len: int) -> Non
     if req.top_logprobs:
         raise RequestValidationError("top_logprobs is not supported; omit it", "top_logprobs")
     _check_sampling(req, max_model_len)
-    if req.prompt_cache_retention not in (None, "in_memory", "in-memory", "24h"):
-        raise RequestValidationError(
-            "prompt_cache_retention must be 'in_memory' or '24h', got "
-            f"{req.prompt_cache_retention!r}", "prompt_cache_retention")
     tool_names = _check_tools(req.tools or [])
     _check_tool_choice(req.tool_choice, tool_names)
 

@@ -1,5 +1,6 @@
 """Explicit cache control as the wires hand it over: "keep the first ``num_tokens`` tokens of
-this prompt for ``ttl_s`` seconds", and the cache figures a reply reports.
+this prompt for ``ttl_s`` seconds", the TTLs each wire defines, and the cache figures a reply
+reports.
 
 The wires (Anthropic ``cache_control``, OpenAI ``prompt_cache_options`` /
 ``prompt_cache_breakpoint`` / ``prompt_cache_retention``) parse and validate those fields and
@@ -7,23 +8,24 @@ put one ``RetentionRequest`` on the plan; what is done with it — holding the b
 with a TTL, refreshed on a hit, inside the pin budget — is implemented by the retention branch
 (issue 14, item 3), which completes ``cache_usage`` and ``prewarm`` here.
 
-Invariant: the wires never read the cache themselves; every figure they report about it comes
-from ``cache_usage``.
+Invariants: a TTL a wire does not define is a 400 naming the field, before anything runs; the
+wires never read the cache themselves: every figure they report about it comes from
+``cache_usage``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from agentd.outputs import StreamDelta
 from agentd.server.errors import APIError
 
-# TTL strings the wires accept, in seconds (Anthropic: 5m, 1h; OpenAI: 30m, 12h, and
-# prompt_cache_retention's in-memory / 24h).
+# The TTLs each wire defines, in seconds.
 ANTHROPIC_TTLS = {"5m": 300.0, "1h": 3600.0}
-OPENAI_TTLS = {"30m": 1800.0, "12h": 43200.0}
-OPENAI_RETENTIONS = {"in-memory": 600.0, "in_memory": 600.0, "24h": 86400.0}
+OPENAI_BREAKPOINT_TTLS = {"30m": 1800.0, "12h": 43200.0}  # prompt_cache_options, breakpoints
+# prompt_cache_retention: "in_memory" is the automatic prefix cache (LRU) every request gets
+OPENAI_RETENTION_TTLS: dict[str, float | None] = {"in_memory": None, "24h": 86400.0}
 
 
 @dataclass(frozen=True)
@@ -33,17 +35,42 @@ class RetentionRequest:
     num_tokens: int
     ttl_s: float
 
-    def __post_init__(self) -> None:
-        if self.num_tokens < 0:
-            raise ValueError(f"num_tokens must be >= 0, not {self.num_tokens}")
-        if self.ttl_s <= 0:
-            raise ValueError(f"ttl_s must be > 0, not {self.ttl_s}")
 
-
-@dataclass(frozen=True)
-class CacheUsage:
+class CacheUsage(NamedTuple):
     read: int  # prompt tokens served from the cache
-    creation: int  # prompt tokens this request computed and retained
+    creation: int  # prompt tokens this request computed and now retains
+
+
+def parse_ttl(value: object, allowed: dict[str, float | None], param: str) -> float | None:
+    """The seconds a wire's TTL string stands for; a 400 naming ``param`` for any other."""
+    if isinstance(value, str) and value in allowed:
+        return allowed[value]
+    choices = ", ".join(repr(v) for v in allowed)
+    raise APIError(400, f"{param} must be one of {choices}, not {value!r}", param=param,
+                   code="invalid_ttl")
+
+
+def openai_retention(retention: str | None, options: Any, num_prompt_tokens: int,
+                     num_explicit_tokens: int = 0) -> RetentionRequest | None:
+    """What an OpenAI request asks to keep: ``prompt_cache_retention: "24h"`` the whole prompt
+    for a day ("in_memory" is the LRU cache every request gets); ``prompt_cache_options`` the
+    whole prompt ("implicit" mode) or the prefix up to its last explicit breakpoint
+    (``num_explicit_tokens``, "explicit" mode) for its ``ttl`` (30m by default). Both: a 400."""
+    if options is not None and retention is not None:
+        raise APIError(400, "send prompt_cache_options or prompt_cache_retention, not both",
+                       param="prompt_cache_retention")
+    if retention is not None:
+        ttl_s = parse_ttl(retention, OPENAI_RETENTION_TTLS, "prompt_cache_retention")
+        return None if ttl_s is None else RetentionRequest(num_prompt_tokens, ttl_s)
+    if options is None:
+        return None
+    if options.mode not in (None, "implicit", "explicit"):
+        raise APIError(400, "prompt_cache_options.mode must be 'implicit' or 'explicit', not "
+                       f"{options.mode!r}", param="prompt_cache_options.mode")
+    ttl_s = parse_ttl(options.ttl or "30m", OPENAI_BREAKPOINT_TTLS, "prompt_cache_options.ttl")
+    assert ttl_s is not None
+    num_tokens = num_explicit_tokens if options.mode == "explicit" else num_prompt_tokens
+    return RetentionRequest(num_tokens, ttl_s) if num_tokens > 0 else None
 
 
 def cache_usage(delta: StreamDelta, plan: Any) -> CacheUsage:
@@ -54,9 +81,12 @@ def cache_usage(delta: StreamDelta, plan: Any) -> CacheUsage:
     return CacheUsage(read=delta.num_cached_tokens, creation=0)
 
 
-async def prewarm(server: Any, plan: Any) -> CacheUsage:
+async def prewarm(engine: Any, prompt_token_ids: list[int],
+                  retention: RetentionRequest | None, request_id: str,
+                  cache_salt: str | None = None, owner: str | None = None,
+                  max_in_flight: int | None = None) -> StreamDelta:
     """``max_tokens: 0``: prefill and retain the prompt, generate nothing (the retention
     branch implements it)."""
-    del server, plan
+    del engine, prompt_token_ids, retention, request_id, cache_salt, owner, max_in_flight
     raise APIError(501, "max_tokens: 0 (pre-warming a prefix) is not implemented yet on this "
                    "daemon; send max_tokens >= 1", param="max_tokens", code="not_implemented")

@@ -17,12 +17,12 @@ from litestar.datastructures import State
 from litestar.params import Body
 from litestar.response import Stream
 
-from agentd.server.intake import check_chars
+from agentd.server.intake import check_chars, text_chars
 from agentd.server.retention import prewarm
-from agentd.server.serving import event_stream, until_disconnect
-from agentd.server.state import require_api_key, server_of
+from agentd.server.serving import effective_cache_salt, event_stream, until_disconnect
+from agentd.server.state import cache_tenant, require_api_key, server_of
 from agentd.server.wires.anthropic_messages import MessagesRequest
-from agentd.server.wires.anthropic_out import complete_message, message, stream_message
+from agentd.server.wires.anthropic_out import complete_message, message, stream_message, usage
 from agentd.server.wires.messages_plan import plan_messages, prompt_ids
 from agentd.server.wires.plan import start
 
@@ -43,15 +43,16 @@ class MessagesController(Controller):
         engine = server.require_engine()
         model = server.check_model(data.model)
         server.unknown_fields.note(await request.body(), MessagesRequest, request.url.path)
-        check_chars(_num_chars([data.system, data.messages]), engine.tokenizer,
+        check_chars(text_chars([data.system, data.messages], _TEXT_KEYS), engine.tokenizer,
                     engine.max_model_len, "messages")
         job = await asyncio.to_thread(plan_messages, data, engine, model, int(time.time()))
         if job.prewarm:
-            cache = await prewarm(server, job.plan)
-            return message(job, [], "max_tokens", None, {
-                "input_tokens": len(job.plan.prompt_token_ids) - cache.read - cache.creation,
-                "cache_creation_input_tokens": cache.creation,
-                "cache_read_input_tokens": cache.read, "output_tokens": 0})
+            tenant = cache_tenant(request)
+            plan = job.plan
+            last = await prewarm(engine, plan.prompt_token_ids, plan.retention, plan.request_id,
+                                 effective_cache_salt(tenant, plan.cache_salt), tenant,
+                                 server.max_in_flight(engine))
+            return message(job, [], "max_tokens", None, usage(job, last, output_tokens=0))
         started = await start(request, server, job.plan)
         if data.stream:
             return event_stream(stream_message(job, started.deltas, started.on_finish))
@@ -65,18 +66,8 @@ class MessagesController(Controller):
         engine = server.require_engine()
         server.check_model(data.model)
         server.unknown_fields.note(await request.body(), MessagesRequest, request.url.path)
-        check_chars(_num_chars([data.system, data.messages]), engine.tokenizer,
+        check_chars(text_chars([data.system, data.messages], _TEXT_KEYS), engine.tokenizer,
                     engine.max_model_len, "messages")
         _, ids = await asyncio.to_thread(prompt_ids, data, engine)
         return {"input_tokens": len(ids)}
 
-
-def _num_chars(value: Any) -> int:
-    """Characters of the text a conversation holds (text, tool inputs and results)."""
-    if isinstance(value, str):
-        return len(value)
-    if isinstance(value, list):
-        return sum(_num_chars(item) for item in value)
-    if isinstance(value, dict):
-        return sum(_num_chars(value[key]) for key in _TEXT_KEYS if key in value)
-    return 0

@@ -21,7 +21,7 @@ from litestar.params import Body, FromPath
 from litestar.response import Stream
 
 from agentd.server.errors import APIError
-from agentd.server.intake import check_chars
+from agentd.server.intake import check_chars, text_chars
 from agentd.server.routes_openai import ERROR_RESPONSES
 from agentd.server.serving import event_stream, until_disconnect
 from agentd.server.state import ServerState, cache_tenant, require_api_key, server_of
@@ -50,7 +50,7 @@ class ResponsesController(Controller):
         engine = server.require_engine()
         model = server.check_model(data.model)
         server.unknown_fields.note(await request.body(), ResponsesRequest, request.url.path)
-        check_chars(_num_chars(data.input) + len(data.instructions or ""), engine.tokenizer,
+        check_chars(text_chars([data.input, data.instructions], _TEXT_KEYS), engine.tokenizer,
                     engine.max_model_len, "input")
         tenant = cache_tenant(request)
         previous = None
@@ -113,13 +113,3 @@ def _store(server: ServerState, tenant: str | None, job: ResponsesJob,
     server.responses.put(tenant, response.id, StoredResponse(
         response, plan.prompt_token_ids + output_ids, plan.request_id, job.instructions, calls))
 
-
-def _num_chars(value: Any) -> int:
-    """Characters of the text an ``input`` holds (messages, outputs, call arguments)."""
-    if isinstance(value, str):
-        return len(value)
-    if isinstance(value, list):
-        return sum(_num_chars(item) for item in value)
-    if isinstance(value, dict):
-        return sum(_num_chars(value[key]) for key in _TEXT_KEYS if key in value)
-    return 0

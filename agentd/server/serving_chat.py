@@ -40,7 +40,6 @@ from agentd.server.protocol import (
     validate_chat_request,
     validate_prompt_len,
 )
-from agentd.server.retention import OPENAI_RETENTIONS, RetentionRequest
 from agentd.server.serving import (
     SSE_DONE,
     collect,
@@ -86,15 +85,7 @@ def plan_chat(req: ChatCompletionRequest, engine: AsyncEngine, model: str,
         tool_mode=ToolMode.PARSE if tools_on else ToolMode.OFF, constraint=constraint,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
         cache_salt=req.cache_salt, prompt_cache_key=req.prompt_cache_key,
-        retention=chat_retention(req, len(prompt_token_ids)),
     )
-
-
-def chat_retention(req: ChatCompletionRequest, num_tokens: int) -> RetentionRequest | None:
-    """``prompt_cache_retention`` asks that the whole prompt be kept that long."""
-    if req.prompt_cache_retention is None:
-        return None
-    return RetentionRequest(num_tokens, OPENAI_RETENTIONS[req.prompt_cache_retention])
 
 
 async def complete_chat(plan: Plan, deltas: AsyncIterator[StreamDelta],

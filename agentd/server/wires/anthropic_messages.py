@@ -21,11 +21,10 @@ from typing import Any
 import msgspec
 
 from agentd.server.protocol import RequestValidationError as Invalid
-from agentd.server.retention import ANTHROPIC_TTLS
+from agentd.server.retention import ANTHROPIC_TTLS, parse_ttl
 from agentd.server.wires.prompts import TOOLS_CUT
 from agentd.server.wires.tools import ToolSet, anthropic_tools
 
-DEFAULT_TTL_S = ANTHROPIC_TTLS["5m"]
 _UNSUPPORTED = {"container": "code-execution containers", "mcp_servers": "MCP servers"}
 _REFUSED_BLOCKS = {"image": "images", "document": "documents", "thinking": "thinking blocks",
                    "redacted_thinking": "thinking blocks", "search_result": "search results",
@@ -57,6 +56,8 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     speed: str | None = None
     user_profile_id: str | None = None
     workspace_id: str | None = None
+    cache_salt: str | None = None  # vLLM extension, as on chat
+    ignore_eos: bool = False  # vLLM extension, as on chat
 
 
 @dataclass
@@ -76,11 +77,9 @@ def cache_ttl(mark: Any, where: str) -> float:
     if not isinstance(mark, dict) or mark.get("type") != "ephemeral":
         raise Invalid(f'{where}.type must be "ephemeral", got '
                       f"{mark.get('type') if isinstance(mark, dict) else mark!r}", f"{where}.type")
-    ttl = mark.get("ttl", "5m")
-    if ttl not in ANTHROPIC_TTLS:
-        raise Invalid(f"{where}.ttl must be one of {', '.join(ANTHROPIC_TTLS)}, got {ttl!r}",
-                      f"{where}.ttl")
-    return ANTHROPIC_TTLS[ttl]
+    ttl_s = parse_ttl(mark.get("ttl", "5m"), dict(ANTHROPIC_TTLS), f"{where}.ttl")
+    assert ttl_s is not None
+    return ttl_s
 
 
 def parse_conversation(req: MessagesRequest) -> Conversation:

@@ -75,14 +75,14 @@ def plan_messages(req: MessagesRequest, engine: AsyncEngine, model: str,
     params = SamplingParams(max_tokens=max(req.max_tokens, 1),
                             temperature=1.0 if req.temperature is None else req.temperature,
                             top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k,
-                            stop=list(stops))
+                            stop=list(stops), ignore_eos=req.ignore_eos)
     if constraint is not None:
         params.structured_outputs = constraint.params
     validate_prompt_len(len(ids), req.max_tokens or None, engine.max_model_len)
     plan = Plan(request_id=new_request_id("msg").replace("-", "_"), model=model,
                 created=created, prompt_token_ids=ids, params=params,
                 tool_mode=ToolMode.PARSE if tools.on else ToolMode.OFF, constraint=constraint,
-                prompt_cache_key=_user_id(req.metadata),
+                cache_salt=req.cache_salt, prompt_cache_key=_user_id(req.metadata),
                 retention=_retention(conv, engine.tokenizer, ids))
     return MessagesJob(plan, stops, prewarm=req.max_tokens == 0)
 

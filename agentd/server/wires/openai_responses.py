@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 
 from agentd.server.protocol import RequestValidationError as Invalid
-from agentd.server.retention import OPENAI_RETENTIONS, OPENAI_TTLS
+from agentd.server.retention import OPENAI_BREAKPOINT_TTLS, openai_retention, parse_ttl
 from agentd.server.wires.tools import ToolSet, responses_tools
 
 # Fields OpenAI defines that agentd does not serve: a 400 naming each when set.
@@ -78,6 +78,8 @@ class ResponsesRequest(msgspec.Struct, kw_only=True):
     max_tool_calls: int | None = None
     top_logprobs: int | None = None
     reasoning: dict[str, Any] | None = None
+    cache_salt: str | None = None  # vLLM extension, as on chat
+    ignore_eos: bool = False  # vLLM extension, as on chat
 
 
 @dataclass(frozen=True)
@@ -101,27 +103,17 @@ def check_fields(req: ResponsesRequest) -> ToolSet:
     if req.truncation not in (None, "disabled", "auto"):
         raise Invalid(f"truncation must be 'disabled' or 'auto', got {req.truncation!r}",
                       "truncation")
-    if req.include:
-        raise Invalid(f"include: {', '.join(map(repr, req.include))} cannot be included by "
-                      "agentd; omit include or send []", "include")
+    # reasoning items never appear here, so asking for their encrypted content asks for nothing
+    if refused := [i for i in req.include or [] if i != "reasoning.encrypted_content"]:
+        raise Invalid(f"include: {', '.join(map(repr, refused))} cannot be included by agentd; "
+                      "omit include or send []", "include")
     _check_cache_fields(req)
     return responses_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
 
 
 def _check_cache_fields(req: ResponsesRequest) -> None:
-    if req.prompt_cache_retention not in (None, *OPENAI_RETENTIONS):
-        raise Invalid("prompt_cache_retention must be 'in_memory' or '24h', got "
-                      f"{req.prompt_cache_retention!r}", "prompt_cache_retention")
-    options = req.prompt_cache_options
-    if options is None:
-        return
-    if options.mode not in (None, "implicit", "explicit"):
-        raise Invalid(f"prompt_cache_options.mode must be 'implicit' or 'explicit', got "
-                      f"{options.mode!r}", "prompt_cache_options.mode")
-    if options.ttl is not None and options.ttl not in OPENAI_TTLS:
-        raise Invalid(f"prompt_cache_options.ttl must be one of {', '.join(OPENAI_TTLS)}, got "
-                      f"{options.ttl!r}", "prompt_cache_options.ttl")
-    if options.prewarm:
+    openai_retention(req.prompt_cache_retention, req.prompt_cache_options, 1)  # 400s only
+    if req.prompt_cache_options is not None and req.prompt_cache_options.prewarm:
         raise Invalid("prompt_cache_options.prewarm is not supported yet; omit it",
                       "prompt_cache_options.prewarm")
 
@@ -227,10 +219,7 @@ def _breakpoint_ttl(mark: Any, where: str) -> float | None:
     if not isinstance(mark, dict) or mark.get("mode") != "explicit":
         raise Invalid(f'{where} must be {{"mode": "explicit", "ttl": ...}}', where)
     ttl = mark.get("ttl")
-    if ttl is not None and ttl not in OPENAI_TTLS:
-        raise Invalid(f"{where}.ttl must be one of {', '.join(OPENAI_TTLS)}, got {ttl!r}",
-                      f"{where}.ttl")
-    return None if ttl is None else OPENAI_TTLS[ttl]
+    return None if ttl is None else parse_ttl(ttl, dict(OPENAI_BREAKPOINT_TTLS), f"{where}.ttl")
 
 
 def _add_call(messages: list[dict[str, Any]], call: dict[str, Any]) -> None:

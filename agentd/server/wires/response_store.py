@@ -74,6 +74,13 @@ class ResponseStore:
             self._release([stored.request_id])
         return stored is not None
 
+    def clear(self) -> None:
+        """Forget every response (the app is closing): their engine tails are released."""
+        with self._lock:
+            dropped = [s for items in self._items.values() for s in items.values()]
+            self._items.clear()
+        self._release([s.request_id for s in dropped])
+
     def _expire(self, items: OrderedDict[str, StoredResponse]) -> list[StoredResponse]:
         """Drop (and return) the responses unused for ``ttl_s``; the oldest come first."""
         cutoff = time.monotonic() - self.ttl_s

@@ -22,7 +22,7 @@ from agentd.server.protocol import (
     check_range,
     validate_prompt_len,
 )
-from agentd.server.retention import OPENAI_RETENTIONS, OPENAI_TTLS, RetentionRequest
+from agentd.server.retention import OPENAI_BREAKPOINT_TTLS, RetentionRequest, openai_retention
 from agentd.server.serving import new_request_id
 from agentd.server.tool_calls import ToolMode
 from agentd.server.wires.openai_responses import ParsedInput, ResponsesRequest, check_fields
@@ -32,8 +32,6 @@ from agentd.server.wires.prompts import breakpoint_len, continuation_ids, render
 from agentd.server.wires.response_store import StoredResponse
 from agentd.server.wires.responses_types import Response
 from agentd.structured.params import StructuredOutputsParams, strict_schema
-
-DEFAULT_TTL_S = OPENAI_TTLS["30m"]
 
 
 @dataclass(frozen=True)
@@ -72,7 +70,8 @@ def plan_responses(req: ResponsesRequest, engine: AsyncEngine, model: str, creat
         constraint = tool_constraint(tools or [], choice, tool_set.parallel, constraint)
     params = SamplingParams(max_tokens=max_tokens,
                             temperature=1.0 if req.temperature is None else req.temperature,
-                            top_p=1.0 if req.top_p is None else req.top_p)
+                            top_p=1.0 if req.top_p is None else req.top_p,
+                            ignore_eos=req.ignore_eos)
     if constraint is not None:
         params.structured_outputs = constraint.params
     validate_prompt_len(len(prompt_ids), max_tokens, engine.max_model_len, "input",
@@ -81,7 +80,8 @@ def plan_responses(req: ResponsesRequest, engine: AsyncEngine, model: str, creat
     plan = Plan(request_id=request_id, model=model, created=created,
                 prompt_token_ids=prompt_ids, params=params,
                 tool_mode=ToolMode.PARSE if tool_set.on else ToolMode.OFF,
-                constraint=constraint, prompt_cache_key=req.prompt_cache_key,
+                constraint=constraint, cache_salt=req.cache_salt,
+                prompt_cache_key=req.prompt_cache_key,
                 retention=_retention(req, parsed, previous is None, tokenizer, tools, choice,
                                      prompt_ids), keep_tail=keep)
     shell = Response(
@@ -115,22 +115,21 @@ def _text_format(req: ResponsesRequest) -> Constraint | None:
 
 def _retention(req: ResponsesRequest, parsed: ParsedInput, whole: bool, tokenizer: Any,
                tools: Any, choice: Any, prompt_ids: list[int]) -> RetentionRequest | None:
-    """The last explicit breakpoint's prefix, else the whole prompt when the request asks for
-    a cache lifetime (``prompt_cache_options`` / ``prompt_cache_retention``)."""
-    options = req.prompt_cache_options
-    ttl_s = OPENAI_TTLS.get(options.ttl or "") if options is not None else None
+    """``prompt_cache_options`` / ``prompt_cache_retention`` (``openai_retention``); an explicit
+    breakpoint without them keeps the prefix up to the last one for its own TTL."""
+    num_explicit = 0
     if parsed.breakpoints:
-        index, part, mark_ttl_s = parsed.breakpoints[-1]
-        num_tokens = len(prompt_ids)
+        index, part, _ = parsed.breakpoints[-1]
+        num_explicit = len(prompt_ids)  # a continuation's breakpoints: its whole prompt
         if whole:
-            num_tokens = breakpoint_len(tokenizer, parsed.messages, tools, choice, prompt_ids,
-                                        (index, part))
-        return RetentionRequest(num_tokens, mark_ttl_s or ttl_s or DEFAULT_TTL_S)
-    if options is not None and options.mode != "explicit":
-        return RetentionRequest(len(prompt_ids), ttl_s or DEFAULT_TTL_S)
-    if req.prompt_cache_retention is not None:
-        return RetentionRequest(len(prompt_ids), OPENAI_RETENTIONS[req.prompt_cache_retention])
-    return None
+            num_explicit = breakpoint_len(tokenizer, parsed.messages, tools, choice, prompt_ids,
+                                          (index, part))
+    asked = openai_retention(req.prompt_cache_retention, req.prompt_cache_options,
+                             len(prompt_ids), num_explicit)
+    if asked is None and parsed.breakpoints and req.prompt_cache_retention is None:
+        ttl_s = parsed.breakpoints[-1][2]
+        return RetentionRequest(num_explicit, ttl_s or OPENAI_BREAKPOINT_TTLS["30m"])
+    return asked
 
 
 def _format_echo(req: ResponsesRequest) -> dict[str, Any]:

@@ -37,13 +37,46 @@ def parse_duration(text: str | float | int) -> float:
 
 
 @dataclass(frozen=True)
+class SpeculativeConfig:
+    """Prompt-lookup speculative decoding (:mod:`agentd.spec_decode`).
+
+    ``method`` "ngram" drafts up to ``num_tokens`` tokens per step from the longest match
+    (``ngram_max`` down to ``ngram_min`` tokens) of a request's last tokens earlier in its own
+    prompt and output; "off" never drafts. Drafts ride only on steps of at most ``max_num_seqs``
+    running requests: beyond that the step is compute-bound and extra rows cost their full price.
+    """
+
+    method: str = "ngram"
+    num_tokens: int = 8
+    ngram_max: int = 3
+    ngram_min: int = 2
+    max_num_seqs: int = 4
+
+    def __post_init__(self) -> None:
+        if self.method not in ("ngram", "off"):
+            raise ValueError(f"speculative must be ngram or off, not {self.method!r}")
+        if not 1 <= self.num_tokens <= 64:
+            raise ValueError(f"num_speculative_tokens must be in [1, 64], not {self.num_tokens}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(
+                f"prompt_lookup_min ({self.ngram_min}) must be >= 1 and <= prompt_lookup_max "
+                f"({self.ngram_max})"
+            )
+        if self.max_num_seqs < 1:
+            raise ValueError(f"speculative_max_num_seqs must be >= 1, not {self.max_num_seqs}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs to start. ``None`` means "pick a default at load time"."""
 
     model: str | None = None
     tokenizer: str | None = None
     device: str = "auto"
-    dtype: str = "auto"
+    dtype: str = "auto"  # activations, KV cache and attention (and the weights, by default)
+    weights: str | None = None  # linear layers' format; None: the same as dtype (see __post_init__)
+    prefill_weights: str = "keep"  # low-precision weights' big products: "keep" a dense twin, or
+    # "dequantize" per call (no second copy; slower prefill)
     block_size: int = 16
     kv_cache_memory_bytes: int = 384 * 2**20  # 8,736 tokens of the default model
     max_num_seqs: int = 32
@@ -55,6 +88,7 @@ class EngineConfig:
     cpu_linear: str = "onednn"  # "onednn" (packed weights) or "torch" (F.linear, MKL)
     seed: int = 0
     num_threads: int | None = None
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     jump_forward: bool = True  # append the tokens a grammar forces without a step each
     extra: dict[str, str] = field(default_factory=dict)
 
@@ -63,6 +97,7 @@ class EngineConfig:
             raise ValueError(f"device must be auto, cpu or cuda, not {self.device!r}")
         if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, not {self.dtype}")
+        self._check_weights()
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, not {self.block_size}")
         if self.kv_cache_memory_bytes <= 0:
@@ -88,3 +123,19 @@ class EngineConfig:
             raise ValueError(f"cpu_linear must be onednn or torch, not {self.cpu_linear!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, not {self.num_threads}")
+
+    def _check_weights(self) -> None:
+        formats = ("auto", "float32", "bfloat16", "float16", "int8", "int4")
+        if self.prefill_weights not in ("keep", "dequantize"):
+            raise ValueError(f"prefill_weights must be keep or dequantize, not "
+                             f"{self.prefill_weights!r}")
+        if self.weights is None:
+            return
+        if self.weights not in formats:
+            raise ValueError(f"weights must be one of {', '.join(formats)}, not {self.weights!r}")
+        if self.device.startswith("cuda") and self.weights not in ("auto", self.dtype):
+            raise ValueError("weights other than the dtype run on the CPU only; on CUDA leave "
+                             "weights unset")
+        if self.weights == "float32" and self.dtype not in ("auto", "float32"):
+            raise ValueError("weights float32 needs dtype float32: weights are never stored "
+                             "wider than the activations")

@@ -28,6 +28,7 @@ from agentd.runner import ModelRunner
 from agentd.sampler import Sampler
 from agentd.sampling_params import SamplingParams
 from agentd.scheduler import Scheduler
+from agentd.spec_decode import make_speculator
 from agentd.structured.compiler import GrammarCompiler
 from agentd.structured.jump_forward import plan_jump
 from agentd.structured.matchers import StructuredOutputs
@@ -58,6 +59,9 @@ class EngineStats:
     num_blocks_pinned: int
     num_pins: int
     num_jump_forward_tokens: int = 0  # output tokens a grammar forced, appended without a step
+    spec_num_drafts: int = 0  # request-steps that verified draft tokens
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
     num_tail_blocks: int = 0  # stored conversations' last partial blocks (agentd.tails)
 
 
@@ -93,6 +97,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.num_blocks, block_size, self.loaded.device,
                                   self.loaded.dtype, backend)
         self.sampler = Sampler(self.loaded.device)
+        self.speculator = make_speculator(config.speculative)
         vocab_size = model.dims.vocab_size
         self.grammars = GrammarCompiler(self.tokenizer, vocab_size, self.loaded.eos_token_ids)
         self.structured = StructuredOutputs(vocab_size)
@@ -228,31 +233,34 @@ class LLMEngine:
         self._totals["steps"] += 1
         self._totals["model"] += result.num_tokens
         requests = [self.scheduler.requests[rid] for rid in result.request_ids]
-        dead_ends = set(self.structured.apply(result.logits, result.request_ids))
-        token_ids = self.sampler.sample(result.logits, requests)
+        drafts = {s.request_id: s.token_ids[len(s.token_ids) - s.num_draft_tokens:]
+                  for s in out.scheduled if s.num_draft_tokens}
+        dead_ends = set(self.structured.apply(result.logits, result.request_ids, drafts))
+        token_ids = self.speculator.sample(self.sampler, result.logits, requests, drafts)
         now = time.monotonic()
         items = {item.request_id: item for item in out.scheduled}
-        for request in self.scheduler.update_from_output(out, dict(zip(result.request_ids,
-                                                                        token_ids, strict=True))):
+        for request in self.scheduler.update_from_output(out, token_ids):
             tracked = self._tracked[request.request_id]
             if request.first_token_time_s is None:
                 request.first_token_time_s = now
-            first_new = request.num_tokens - 1
             if request.request_id in self.structured:
-                if not self._advance_grammar(request, request.request_id in dead_ends):
+                new_ids = request.all_token_ids[request.num_prompt_tokens
+                                                + tracked.num_emitted_tokens:]
+                if not self._advance_grammar(request, new_ids, request.request_id in dead_ends):
                     deltas.append(self._delta(tracked, finished=True, error=GRAMMAR_DEAD_END,
                                               error_code="grammar_dead_end"))
                     continue
                 if self.config.jump_forward and not request.status.finished:
                     self._jump_forward(request)
-            for token_id in request.all_token_ids[first_new:]:
-                tracked.detokenizer.add_token(token_id)
-            if tracked.detokenizer.stop_reason is not None and not request.status.finished:
-                request.stop_reason = tracked.detokenizer.stop_reason
-                self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+            self._detokenize(tracked)
             if request.status.finished:
                 self.tails.on_finished(request, items.get(request.request_id))
             deltas.append(self._delta(tracked, finished=request.status.finished))
+        self.speculator.propose(self.scheduler.running, self.scheduler.num_waiting)
+        for request in self.scheduler.running:  # a constrained request drafts what it may write
+            if request.spec_token_ids and request.request_id in self.structured:
+                request.spec_token_ids = self.structured.legal_prefix(request.request_id,
+                                                                      request.spec_token_ids)
         return deltas
 
     def _prefix_extension(self, block_hashes: Sequence[BlockHash],
@@ -262,11 +270,35 @@ class LLMEngine:
                  self.tails.tail_after(block_hashes, next_tokens)]
         return max((f for f in found if f is not None), key=lambda f: f[1], default=None)
 
-    def _advance_grammar(self, request: Request, dead_end: bool) -> bool:
-        """Feed the sampled token to the request's matcher; False (request finished) when the
-        grammar had no legal token or rejects it. A complete grammar finishes the request."""
+    def _detokenize(self, tracked: _Tracked) -> None:
+        """Feed the request's new tokens to its detokenizer one by one; at a stop string, the
+        tokens after it are dropped (a step may have accepted several) and the request stops."""
+        request = tracked.request
+        detokenizer = tracked.detokenizer
+        num_tokens = request.num_prompt_tokens + tracked.num_emitted_tokens
+        for token_id in request.all_token_ids[num_tokens:]:
+            detokenizer.add_token(token_id)
+            num_tokens += 1
+            if detokenizer.stop_reason is not None:
+                break
+        if detokenizer.stop_reason is None:
+            return
+        if num_tokens < request.num_tokens:  # tokens past the stop string came in this step
+            request.truncate(num_tokens)
+            if request.status.finished:  # by one of the dropped tokens: the string came first
+                request.status = RequestStatus.FINISHED_STOPPED
+                request.stop_reason = detokenizer.stop_reason
+                return
+        if not request.status.finished:
+            request.stop_reason = detokenizer.stop_reason
+            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
+
+    def _advance_grammar(self, request: Request, new_ids: list[int], dead_end: bool) -> bool:
+        """Feed this step's tokens (accepted drafts, then the sampled one) to the request's
+        matcher; False (request finished) when the grammar had no legal token or rejects one.
+        A complete grammar finishes the request."""
         rid = request.request_id
-        if dead_end or not self.structured.accept(rid, request.all_token_ids[-1]):
+        if dead_end or not all(self.structured.accept(rid, t) for t in new_ids):
             self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
             return False
         if self.structured.is_terminated(rid) and not request.status.finished:
@@ -307,6 +339,7 @@ class LLMEngine:
             del self._tracked[request.request_id]
             self.tails.forget(request.request_id)
             self.sampler.forget(request.request_id)
+            self.speculator.forget(request.request_id)
             self.structured.remove(request.request_id)
             self._totals["finished"] += 1
             self._totals["generation"] += request.num_output_tokens
@@ -347,5 +380,8 @@ class LLMEngine:
             num_blocks_pinned=self.pins.registry.num_pinned_blocks,
             num_pins=len(self.pins.registry),
             num_jump_forward_tokens=self._totals["jump_forward"],
+            spec_num_drafts=self.speculator.stats.num_drafts,
+            spec_num_draft_tokens=self.speculator.stats.num_draft_tokens,
+            spec_num_accepted_tokens=self.speculator.stats.num_accepted_tokens,
             num_tail_blocks=len(self.tails),
         )

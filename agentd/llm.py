@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-from agentd.config import EngineConfig, parse_size
+from agentd.config import EngineConfig, SpeculativeConfig, parse_size
 from agentd.engine import LLMEngine
 from agentd.outputs import RequestOutput
 from agentd.sampling_params import SamplingParams
@@ -18,9 +18,12 @@ PromptLike = str | list[int]
 
 
 def engine_config(model: str | None = None, **engine_args: Any) -> EngineConfig:
-    """Build an EngineConfig, accepting ``kv_cache_memory="2GiB"`` like the CLI does."""
+    """Build an EngineConfig, accepting ``kv_cache_memory="2GiB"`` and ``speculative="off"``
+    like the CLI does."""
     if "kv_cache_memory" in engine_args:
         engine_args["kv_cache_memory_bytes"] = parse_size(engine_args.pop("kv_cache_memory"))
+    if isinstance(engine_args.get("speculative"), str):  # "ngram" or "off", with defaults
+        engine_args["speculative"] = SpeculativeConfig(method=engine_args["speculative"])
     return EngineConfig(model=model, **engine_args)
 
 

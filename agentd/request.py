@@ -46,6 +46,9 @@ class Request:
     # the request waits (and extended after a preemption), never again every step
     block_hashes: list[bytes] = field(default_factory=list)
     pin_name: str | None = None  # the pin this request hit, if any
+    # Draft tokens proposed to follow ``all_token_ids`` (agentd.spec_decode); the scheduler runs
+    # them once, beside the request's next token, and the sampler keeps those the model agrees on.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -68,3 +71,8 @@ class Request:
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)
+
+    def truncate(self, num_tokens: int) -> None:
+        """Drop the tokens past ``num_tokens`` (output accepted in one step beyond a stop)."""
+        del self.all_token_ids[max(num_tokens, self.num_prompt_tokens):]
+        self.num_computed_tokens = min(self.num_computed_tokens, self.num_tokens)

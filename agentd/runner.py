@@ -2,7 +2,7 @@
 
 Invariant: one forward per step over the flattened batch (decode rows first, then prefill chunks);
 each token's K/V lands in the slot its block table names; logits are computed only for the rows
-that sample.
+that sample: a request's last token and its draft tokens, if any.
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ TRIM_AFTER_TOKENS = 512  # such a step takes >= 0.3 s on CPU; trimming the heap 
 
 @dataclass
 class StepResult:
-    request_ids: list[str]  # the rows of ``logits``, one per sampling request
-    logits: torch.Tensor  # [num_sampling_requests, vocab_size] float32
+    request_ids: list[str]  # the sampling requests, in the order of their rows of ``logits``
+    # [num_sampling_rows, vocab_size] float32: per sampling request, 1 + its num_draft_tokens
+    # rows (the logits after its last token, then after each draft)
+    logits: torch.Tensor
     num_tokens: int  # tokens that went through the model this step
 
 
@@ -80,7 +82,8 @@ class ModelRunner:
             positions.extend(range(s.start_position, s.start_position + num))
             seq_index.extend([i] * num)
             if s.sample:
-                sample_rows.append(len(token_ids) - 1)
+                sample_rows.extend(range(len(token_ids) - 1 - s.num_draft_tokens,
+                                         len(token_ids)))
         max_blocks = max(len(s.block_table) for s in batch)
         # Rows are padded with block 0; kernels never read past a sequence's length.
         tables = torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table))

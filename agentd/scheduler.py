@@ -11,6 +11,12 @@ request whose next ``WAIT_FOR_TOKENS`` uncached tokens a running request is stil
 (agents that start together with the same new prompt) waits for them to be cached rather than
 compute them again; the requests behind it are admitted meanwhile.
 
+Draft tokens (``Request.spec_token_ids``, from :mod:`agentd.spec_decode`) ride along with a
+decoding request's next token when the budget and spare free blocks allow; they never cause a
+preemption. After the step, the KV of the drafts the sampler rejected is void: the request's
+``num_computed_tokens`` counts only accepted tokens and the blocks beyond them are freed, so no
+block that holds a rejected token is ever hashed into the prefix cache.
+
 Preemption rule: when a running request cannot get the blocks it needs, the most recently admitted
 running request is preempted: its blocks are freed (full ones stay cached) and it returns to the
 front of the waiting queue to be recomputed later, mostly from cache. Lack of blocks never raises;
@@ -20,7 +26,7 @@ a request that cannot fit even alone in the pool is finished with reason "length
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from agentd.cache import BlockHash, CachedPrefix, KVCacheManager
@@ -55,6 +61,7 @@ class ScheduledRequest:
     start_position: int  # position of token_ids[0] == tokens already computed
     block_table: list[int]
     sample: bool  # this step reaches the end of the sequence, so a token is sampled
+    num_draft_tokens: int = 0  # the last this many of token_ids are drafts to verify
 
 
 @dataclass
@@ -125,10 +132,13 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            # the requests after this one get their next token before its drafts
+            drafts = self._fit_drafts(request, num_new,
+                                      budget - num_new - (len(self.running) - index - 1))
             if not self._make_room(request, request.num_computed_tokens + num_new, out):
                 break  # request preempted itself: it was the newest
-            out.scheduled.append(self._scheduled(request, num_new))
-            budget -= num_new
+            out.scheduled.append(self._scheduled(request, num_new, drafts))
+            budget -= num_new + len(drafts)
             index += 1
         computing = self._blocks_being_computed()
         index = 0
@@ -164,6 +174,21 @@ class Scheduler:
     def _uncomputed_blocks(self, request: Request) -> list[BlockHash]:
         hashes = request.prefix_block_hashes or []
         return hashes[request.num_computed_tokens // self.kv_cache.block_size:]
+
+    def _fit_drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
+        """Takes ``request``'s drafts (a guess runs once) and returns those that run this step,
+        their blocks allocated: only beside a decode token, within the budget, and only while
+        the pool keeps a free block for every running request, so drafts never push anyone out.
+        """
+        drafts, request.spec_token_ids = request.spec_token_ids[:budget], []
+        decoding = num_new == 1 == request.num_tokens - request.num_computed_tokens
+        if not drafts or not decoding:
+            return []
+        spare = self.kv_cache.num_free_blocks - len(self.running)
+        if spare < -(-len(drafts) // self.kv_cache.block_size) or self.kv_cache.allocate(
+                request.request_id, request.num_tokens + len(drafts)) is None:
+            return []
+        return drafts
 
     def _make_room(self, request: Request, num_tokens: int, out: SchedulerOutput) -> bool:
         """Grow ``request``'s blocks to ``num_tokens``, preempting the newest runners if needed."""
@@ -210,14 +235,16 @@ class Scheduler:
         self.running.append(request)
         return num_new
 
-    def _scheduled(self, request: Request, num_new: int) -> ScheduledRequest:
+    def _scheduled(self, request: Request, num_new: int,
+                   drafts: Sequence[int] = ()) -> ScheduledRequest:
         start = request.num_computed_tokens
         return ScheduledRequest(
             request_id=request.request_id,
-            token_ids=request.all_token_ids[start: start + num_new],
+            token_ids=request.all_token_ids[start: start + num_new] + list(drafts),
             start_position=start,
             block_table=self.kv_cache.block_table(request.request_id),
             sample=start + num_new == request.num_tokens,
+            num_draft_tokens=len(drafts),
         )
 
     def _preempt(self, request: Request) -> None:
@@ -229,24 +256,42 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def update_from_output(self, out: SchedulerOutput,
-                           sampled_token_ids: dict[str, int]) -> list[Request]:
-        """Advance the scheduled requests; returns those that got a new token (finished or not)."""
+                           sampled_token_ids: Mapping[str, Sequence[int]]) -> list[Request]:
+        """Advance the scheduled requests; returns those that got new tokens (finished or not).
+
+        ``sampled_token_ids`` holds, per sampling request, its accepted drafts (a prefix of its
+        ``num_draft_tokens`` drafts) followed by one sampled token.
+        """
         updated = []
         for item in out.scheduled:
             request = self.requests.get(item.request_id)
             if request is None or request.status.finished:
                 continue  # aborted while the step ran
-            request.num_computed_tokens += len(item.token_ids)
+            new_token_ids = sampled_token_ids[item.request_id] if item.sample else []
+            num_rejected = item.num_draft_tokens - max(len(new_token_ids) - 1, 0)
+            request.num_computed_tokens += len(item.token_ids) - num_rejected
+            status = self._append_tokens(request, new_token_ids)
             self.kv_cache.cache_blocks(request.request_id, request.all_token_ids,
                                        request.num_computed_tokens, request.cache_salt)
-            if not item.sample:
-                continue
-            request.append_token(sampled_token_ids[item.request_id])
-            status = self._check_stop(request)
             if status is not None:
                 self._finish(request, status)
-            updated.append(request)
+            elif num_rejected:
+                self.kv_cache.trim(request.request_id, request.num_computed_tokens)
+            if item.sample:
+                updated.append(request)
         return updated
+
+    def _append_tokens(self, request: Request, token_ids: Sequence[int]) -> RequestStatus | None:
+        """Append tokens one by one, as if each came from its own step: the first that stops
+        the request is its last."""
+        for token_id in token_ids:
+            request.append_token(token_id)
+            status = self._check_stop(request)
+            if status is not None:
+                request.num_computed_tokens = min(request.num_computed_tokens,
+                                                  request.num_tokens)
+                return status
+        return None
 
     def _check_stop(self, request: Request) -> RequestStatus | None:
         token_id = request.all_token_ids[-1]

@@ -199,6 +199,27 @@ class KVCacheManager:
             )
         )
 
+    def trim(self, request_id: str, num_tokens: int) -> list[int]:
+        """Shrink the request's block table to the blocks that cover ``num_tokens`` tokens.
+
+        For KV written on a guess that turned out wrong (rejected draft tokens): the blocks that
+        held only such tokens go back to the free queue. Registered blocks are never trimmed.
+
+        Returns:
+            The freed block ids, in table order.
+        """
+        state = self._requests[request_id]
+        num_kept = -(-num_tokens // self.block_size)
+        if num_kept < state.num_cached_blocks:
+            raise ValueError(
+                f"cannot trim request {request_id!r} to {num_tokens} tokens: its first "
+                f"{state.num_cached_blocks} blocks are registered in the prefix cache"
+            )
+        freed = state.block_ids[num_kept:]
+        del state.block_ids[num_kept:]
+        self.pool.free(reversed(freed))
+        return freed
+
     def free(self, request_id: str) -> None:
         """Release the request's blocks, last block first, and forget it; unknown ids: no-op."""
         state = self._requests.pop(request_id, None)

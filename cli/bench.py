@@ -44,7 +44,8 @@ def _concurrency(ctx: click.Context, param: click.Parameter, value: str) -> tupl
               type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Workload JSON (repeatable) [default: the packaged coding agent].")
 @click.option("--all-workloads", is_flag=True,
-              help="The three packaged workloads: coding, research and support agents.")
+              help="The four packaged workloads: coding, research, support and code-editing "
+              "agents.")
 @click.option("--requests", type=click.IntRange(1), default=None,
               help="Requests per warm phase; throughput at C sends max(C, N) "
               "[default: 16; 2 with --quick].")

@@ -22,10 +22,14 @@ import click
 
 from agentd.cli._daemon import bind_listener, detach, display_url
 from agentd.cli._state import StatePaths, state_dir_option
-from agentd.config import EngineConfig, parse_duration, parse_size
+from agentd.config import EngineConfig, SpeculativeConfig, parse_duration, parse_size
 from agentd.model.default_model import DEFAULT_MODEL_NAME
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+_SPEC = SpeculativeConfig()
+# the names SpeculativeConfig's errors use, each the option of that name
+_SPEC_OPTION_NAMES = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+                      "speculative_max_num_seqs")
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 # EngineConfig field -> the option that sets it, for error messages.
 _OPTION_OF = {"kv_cache_memory_bytes": "--kv-cache-memory",
@@ -62,14 +66,38 @@ def _option(name: str, **kwargs: Any) -> Any:
          help="Where the model runs.")
 @_option("--dtype", default=_DEFAULTS["dtype"],
          type=click.Choice(["auto", "float32", "float16", "bfloat16"]),
-         help="Weights, activations and KV cache. auto: float32 on CPU (exact against "
-              "transformers), bfloat16 on CUDA. bfloat16 on CPUs with AVX512-BF16 or AMX: "
-              "faster (prefill ~2x on a 2-core AMD EPYC), half the KV memory per token.")
+         help="Activations, KV cache and attention (and the weights unless --weights). auto: "
+              "float32 on CPU (exact against transformers), bfloat16 on CUDA. bfloat16 on CPUs "
+              "with AVX512-BF16 or AMX: faster (prefill ~2x on a 2-core AMD EPYC), half the KV "
+              "memory per token.")
+@_option("--weights", default=_DEFAULTS["weights"],
+         type=click.Choice(["auto", "float32", "bfloat16", "float16", "int8", "int4"]),
+         help="How linear layers store their weights, apart from --dtype (CPU). int4: a GGUF's "
+              "4-bit groups as they are; auto: the fastest format here that passed the accuracy "
+              "bar (README, Weight formats). --weights float32 --dtype float32 is the exact "
+              "mode. [default: the same as --dtype]")
+@_option("--prefill-weights", default=_DEFAULTS["prefill_weights"],
+         type=click.Choice(["keep", "dequantize"]),
+         help="With low-precision --weights, how prefill chunks and other big steps multiply: "
+              "keep a dense fp32 twin of each layer (fastest; the fp32 bytes again) or "
+              "dequantize per step (least memory, slower prefill).")
 @_option("--attention-backend", default=_DEFAULTS["attention_backend"],
          type=click.Choice(["auto", "torch", "triton"]), help="Attention kernels.")
 @_option("--cpu-linear", default=_DEFAULTS["cpu_linear"],
          type=click.Choice(["onednn", "torch"]),
          help="CPU matmuls: oneDNN with packed weights, or torch's F.linear.")
+@_option("--speculative", default=_SPEC.method, type=click.Choice(["ngram", "off"]),
+         help="Prompt-lookup speculative decoding: draft tokens from the request's own prompt "
+              "and output, verified in one forward; greedy output is unchanged. Drafts only "
+              "while few requests run (--speculative-max-num-seqs).")
+@_option("--num-speculative-tokens", default=_SPEC.num_tokens, type=int,
+         help="Most draft tokens per request per step.")
+@_option("--prompt-lookup-max", default=_SPEC.ngram_max, type=int,
+         help="Longest n-gram of the last tokens looked up in the context.")
+@_option("--prompt-lookup-min", default=_SPEC.ngram_min, type=int,
+         help="Shortest n-gram that may make a draft.")
+@_option("--speculative-max-num-seqs", default=_SPEC.max_num_seqs, type=int,
+         help="Draft only while at most this many requests run (more: compute-bound).")
 @_option("--no-prefix-caching", is_flag=True, help="Turn prefix (KV) caching off.")
 @_option("--no-jump-forward", is_flag=True,
          help="Decode every token of a constrained output, even where the grammar allows only "
@@ -159,7 +187,8 @@ def engine_config(params: dict[str, Any]) -> EngineConfig:
     try:
         return EngineConfig(
             model=params["model"], tokenizer=params["tokenizer"], device=params["device"],
-            dtype=params["dtype"], block_size=params["block_size"],
+            dtype=params["dtype"], weights=params["weights"],
+            prefill_weights=params["prefill_weights"], block_size=params["block_size"],
             kv_cache_memory_bytes=parse_size(params["kv_cache_memory"]),
             max_num_seqs=params["max_num_seqs"],
             max_num_batched_tokens=params["max_num_batched_tokens"],
@@ -170,6 +199,10 @@ def engine_config(params: dict[str, Any]) -> EngineConfig:
             attention_backend=params["attention_backend"], cpu_linear=params["cpu_linear"],
             seed=params["seed"],
             num_threads=params["num_threads"],
+            speculative=SpeculativeConfig(
+                method=params["speculative"], num_tokens=params["num_speculative_tokens"],
+                ngram_max=params["prompt_lookup_max"], ngram_min=params["prompt_lookup_min"],
+                max_num_seqs=params["speculative_max_num_seqs"]),
         )
     except ValueError as exc:
         raise click.ClickException(
@@ -213,7 +246,7 @@ def _list(values: tuple[str, ...] | None) -> tuple[str, ...]:
 
 
 def _option_names(message: str) -> str:
-    for field in _DEFAULTS:
+    for field in [*_DEFAULTS, *_SPEC_OPTION_NAMES]:
         option = _OPTION_OF.get(field, "--" + field.replace("_", "-"))
         message = re.sub(rf"\b{field}\b", option, message)
     return message

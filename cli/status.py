@@ -72,6 +72,11 @@ def _print_table(report: dict[str, Any]) -> None:
 def _stats_rows(table: Any, s: dict[str, Any]) -> None:
     total = s["num_blocks_total"]
     table.add_row("model", f"{s['model']} (max_model_len {s['max_model_len']})")
+    if compute := s.get("compute"):
+        table.add_row("compute", f"{compute.get('isa') or compute['device']} · dtype "
+                                 f"{compute['dtype']} · weights {compute['weights']}")
+        for kind, choice in (compute.get("kernels") or {}).items():
+            table.add_row("", f"{kind}: {choice}")
     table.add_row("uptime", format_duration(s["uptime_s"]))
     if s.get("num_threads") is not None:
         table.add_row("threads", threads_note(s["num_threads"], s["num_threads_default"]))

@@ -52,6 +52,7 @@ class ServerInfo:
     max_model_len: int | None
     num_blocks_total: int | None
     block_size: int
+    compute: dict[str, Any] | None = None  # agentd's ISA, dtype, weights and kernels
 
 
 def split_url(url: str) -> tuple[str, str]:
@@ -123,7 +124,8 @@ class BenchClient:
                               cards[name].get("max_model_len"), None, 16)
         return ServerInfo("agentd", self.root_url, name, health["pid"], health["version"],
                           stats.get("max_model_len") or cards[name].get("max_model_len"),
-                          stats.get("num_blocks_total"), stats.get("block_size") or 16)
+                          stats.get("num_blocks_total"), stats.get("block_size") or 16,
+                          stats.get("compute"))
 
     async def stats(self) -> dict[str, Any] | None:
         return await self.get_json("/stats")

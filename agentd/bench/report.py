@@ -187,8 +187,23 @@ def notes(results: list[WorkloadResult]) -> list[str]:
     return out
 
 
+def compute_lines(server: ServerInfo) -> list[str]:
+    """The server's ISA, dtype, weight format and kernels (agentd only), and this CPU's."""
+    from agentd.model.isa import detect_isa
+
+    lines = [f"this CPU: {detect_isa().describe()}"]
+    c = server.compute
+    if c:
+        lines.append(f"{server.kind}: {c.get('isa') or c.get('device')} · dtype {c.get('dtype')}"
+                     f" · weights {c.get('weights')}")
+        lines += [f"  {kind}: {choice}" for kind, choice in (c.get("kernels") or {}).items()]
+    return lines
+
+
 def print_report(console: Console, server: ServerInfo, results: list[WorkloadResult],
                  num_cold: int, load_avg: tuple[float, float] | None = None) -> None:
     console.print(build_table(server, results, num_cold, load_avg))
+    for line in compute_lines(server):
+        console.print(line, highlight=False)
     for line in notes(results):
         console.print(line, style="dim", highlight=False)

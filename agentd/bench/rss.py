@@ -5,7 +5,9 @@ not Linux) just yields no figure (None). ``peak_rss_bytes`` is the highest VmRSS
 last ``reset``; ``hwm_bytes`` is the lifetime high-water mark: the kernel's VmHWM (which
 includes whatever the process did before the benchmark: loading the model, earlier runs), or the
 highest VmRSS sampled if that is higher — Linux updates VmHWM lazily, so a short peak that is
-freed again (munmap, malloc_trim) can be seen in VmRSS and never reach VmHWM.
+freed again (munmap, malloc_trim) can be seen in VmRSS and never reach VmHWM. A server that runs
+its model in child processes (vLLM's engine core) is measured whole: VmRSS is summed over the
+pid and its descendants, and VmHWM counts only when there are none.
 """
 
 from __future__ import annotations
@@ -26,6 +28,34 @@ def read_status_bytes(pid: int, field: str) -> int | None:
     except (OSError, ValueError, IndexError):
         return None
     return None
+
+
+def descendants(pid: int) -> list[int]:
+    """The pid's children, their children, ... (empty when unreadable)."""
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        parent = todo.pop()
+        try:
+            tasks = list(Path(f"/proc/{parent}/task").iterdir())
+        except OSError:
+            continue
+        for task in tasks:
+            try:
+                children = [int(c) for c in (task / "children").read_text().split()]
+            except (OSError, ValueError):
+                continue
+            found += children
+            todo += children
+    return found
+
+
+def tree_rss_bytes(pid: int) -> int | None:
+    """VmRSS of the pid plus its descendants'."""
+    own = read_status_bytes(pid, "VmRSS")
+    if own is None:
+        return None
+    return own + sum(read_status_bytes(child, "VmRSS") or 0 for child in descendants(pid))
 
 
 class RssSampler:
@@ -63,7 +93,7 @@ class RssSampler:
     def sample(self) -> None:
         if self.pid is None:
             return
-        rss = read_status_bytes(self.pid, "VmRSS")
+        rss = tree_rss_bytes(self.pid)
         if rss is not None and (self._peak is None or rss > self._peak):
             self._peak = rss
         if rss is not None and (self._max_seen is None or rss > self._max_seen):
@@ -75,7 +105,8 @@ class RssSampler:
 
     @property
     def hwm_bytes(self) -> int | None:
-        hwm = read_status_bytes(self.pid, "VmHWM") if self.pid is not None else None
+        hwm = read_status_bytes(self.pid, "VmHWM") if self.pid is not None and not \
+            descendants(self.pid) else None
         seen = [b for b in (hwm, self._max_seen) if b is not None]
         return max(seen) if seen else None
 

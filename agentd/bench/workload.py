@@ -32,7 +32,7 @@ from typing import Any
 
 from agentd.chat import render_chat, tools_json
 
-PACKAGED = ("coding_agent", "research_agent", "support_agent")
+PACKAGED = ("coding_agent", "research_agent", "support_agent", "code_edit_agent")
 DEFAULT_PROMPT_TOKENS = 2100
 TOOLS_SHARE = 4  # tools get about 1/TOOLS_SHARE of the budget (500 of ~2,100)
 

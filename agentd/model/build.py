@@ -1,19 +1,26 @@
 """Build a ready-to-run model from an engine config: files → config → weights → device.
 
-Invariant: the returned model's weights are exactly the checkpoint's, cast to ``dtype``.
+Invariant: the returned model's weights are exactly the checkpoint's, cast to ``dtype``, unless a
+low-precision weight format (``--weights``) was asked for; then its linear layers hold that format
+(a GGUF's 4-bit groups as they are, for int4) and ``weights`` says so.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from agentd.config import EngineConfig
 from agentd.kernels import matmul_dtype
+from agentd.model.dispatch import KernelChoice, calibrate, install, pick_auto
+from agentd.model.isa import CpuIsa, detect_isa
 from agentd.model.llama import (
     LlamaModel,
+    ModelDims,
     RotaryEmbedding,
     pack_linears,
     release_free_memory,
@@ -26,6 +33,7 @@ from agentd.model.loader import (
     model_fingerprint,
     resolve_model,
 )
+from agentd.model.quant import IntGroups
 
 logger = logging.getLogger("agentd")
 
@@ -42,6 +50,20 @@ class LoadedModel:
     dtype: torch.dtype
     fingerprint: str
     eos_token_ids: list[int]
+    weights: str = "float32"  # the linear layers' format (dispatch.WEIGHT_FORMATS)
+    isa: CpuIsa | None = None  # None off the CPU
+    kernels: dict[str, KernelChoice] = field(default_factory=dict)
+
+    def compute_report(self) -> dict[str, object]:
+        """What ``/v1/stats``, ``agentd status`` and ``agentd bench`` print about the kernels."""
+        return {
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "weights": self.weights,
+            "isa": self.isa.name if self.isa else None,
+            "isa_detail": self.isa.describe() if self.isa else None,
+            "kernels": {kind: c.describe() for kind, c in self.kernels.items()},
+        }
 
 
 def pick_device(name: str) -> torch.device:
@@ -75,6 +97,72 @@ def eos_token_ids(hf_config, tokenizer, files: ModelFiles) -> list[int]:
     return sorted(ids)
 
 
+def gguf_source(files: ModelFiles) -> Path | None:
+    """The .gguf a model was converted from, if it was (the default model is one)."""
+    if files.source == "default":
+        from agentd.model.default_model import default_gguf_path
+
+        return default_gguf_path()
+    path = Path(files.source).expanduser()
+    return path if path.suffix == ".gguf" and path.is_file() else None
+
+
+def fused_int4_groups(model: LlamaModel, files: ModelFiles) -> dict[str, IntGroups]:
+    """The GGUF source's 4-bit layers as int4 groups under the model's fused names (q/k/v and
+    gate/up stacked); a fused layer any of whose parts is not 4-bit is left out."""
+    from agentd.model.gguf_groups import read_int4_groups
+
+    path = gguf_source(files)
+    if path is None:
+        return {}
+    parts: dict[str, list[tuple[int, IntGroups]]] = {}
+    for name, groups in read_int4_groups(path).items():
+        key, rows = model._fused_target(name.removeprefix("model."))
+        parts.setdefault(key, []).append((0 if rows is None else rows.start, groups))
+    own = model.state_dict()
+    fused = {}
+    for key, pieces in parts.items():
+        stacked = IntGroups.cat([g for _, g in sorted(pieces, key=lambda p: p[0])])
+        if stacked.values.shape == own[key].shape:
+            fused[key] = stacked
+    return fused
+
+
+def pick_weights(config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                 hf_config) -> str:
+    """The weight format to load: ``None`` follows ``--dtype``; ``auto`` measures (CPU only)."""
+    if config.weights is None or device.type != "cpu":
+        return str(dtype).removeprefix("torch.")
+    if config.weights == "auto":
+        dims = ModelDims.from_config(hf_config)
+        chosen, timings = pick_auto(detect_isa(), dims.hidden_size, dims.vocab_size)
+        logger.info("--weights auto: %s (one decode row on a %dx%d matrix, ms: %s)", chosen,
+                    dims.vocab_size, dims.hidden_size, timings)
+        return chosen
+    return config.weights
+
+
+def install_weights(model: LlamaModel, weights: str, files: ModelFiles,
+                    config: EngineConfig) -> dict[str, KernelChoice]:
+    """Put the low-precision layers in and measure their kernels; ``{}`` for the exact mode."""
+    if weights in ("float32", str(next(model.parameters()).dtype).removeprefix("torch.")):
+        return {}
+    isa = detect_isa()
+    start = time.perf_counter()
+    groups = fused_int4_groups(model, files) if weights == "int4" else {}
+    num_swapped = install(model, weights, groups, isa, config.prefill_weights == "keep")
+    del groups
+    release_free_memory()
+    loaded_s = time.perf_counter() - start
+    kernels = calibrate(model, isa, config.max_num_batched_tokens)
+    logger.info("weights %s: %d linear layers (%s, %.1f s); kernels on %s, measured in %.1f s: "
+                "%s", weights, num_swapped, "4-bit groups from the GGUF as they are"
+                if weights == "int4" and gguf_source(files) else "converted at load", loaded_s,
+                isa.describe(), time.perf_counter() - start - loaded_s,
+                "; ".join(f"{kind} {c.describe()}" for kind, c in kernels.items()))
+    return kernels
+
+
 def load_model(config: EngineConfig) -> LoadedModel:
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
@@ -83,11 +171,13 @@ def load_model(config: EngineConfig) -> LoadedModel:
     tokenizer = load_tokenizer(files)
     device = pick_device(config.device)
     dtype = pick_dtype(config.dtype, device)
+    weights = pick_weights(config, device, dtype, hf_config)
     # Shapes only: no memory, no random init.
     model = LlamaModel(hf_config, device="meta")
     model = model.to_empty(device="cpu")
     model.load_hf_state_dict(iter_state_dict(files, torch.float32))
     model = model.to(device=device, dtype=dtype).eval()
+    kernels = install_weights(model, weights, files, config)
     num_packed = pack_linears(model) if device.type == "cpu" and config.cpu_linear == "onednn" \
         else 0
     # The cos/sin table stays float32 whatever the weights' dtype (built after the cast).
@@ -95,12 +185,23 @@ def load_model(config: EngineConfig) -> LoadedModel:
                                    model.dims.max_position_embeddings).to(device)
     release_free_memory()
     dtype_name = str(dtype).removeprefix("torch.")
-    fingerprint = model_fingerprint(files, hf_config, tokenizer, dtype_name)
-    logger.info("loaded %s (%s) on %s as %s%s", files.name, hf_config.model_type, device,
-                dtype_name, f", {num_packed} linear layers packed for oneDNN" if num_packed else "")
-    if config.dtype == "auto" and dtype == torch.float32 and matmul_dtype(
-            torch.bfloat16, device) == torch.bfloat16:
+    # A weight format other than the dtype changes every output: it is part of the fingerprint.
+    fingerprint = model_fingerprint(files, hf_config, tokenizer,
+                                    dtype_name if weights == dtype_name else
+                                    f"{dtype_name}+weights-{weights}")
+    isa = detect_isa() if device.type == "cpu" else None
+    logger.info("loaded %s (%s) on %s as %s, weights %s%s%s", files.name, hf_config.model_type,
+                device, dtype_name, weights,
+                f", {num_packed} linear layers packed for oneDNN" if num_packed else "",
+                f"; CPU {isa.describe()}" if isa else "")
+    if config.weights is None and device.type == "cpu" and weights == "float32":
+        logger.info("decode reads every weight once per token: --weights auto keeps the "
+                    "weights in the fastest accurate low-precision format measured here (int4 "
+                    "holds a Q4 GGUF's own groups) and leaves prefill as it is; README, Weight "
+                    "formats, gives its accuracy")
+    if config.dtype == "auto" and dtype == torch.float32 and weights == "float32" and \
+            matmul_dtype(torch.bfloat16, device) == torch.bfloat16:
         logger.info("this CPU has bfloat16 GEMMs: --dtype bfloat16 is faster (prefill ~2x on "
                     "a 2-core AMD EPYC), at the price of bf16 rounding in the outputs")
     return LoadedModel(files, hf_config, tokenizer, model, device, dtype, fingerprint,
-                       eos_token_ids(hf_config, tokenizer, files))
+                       eos_token_ids(hf_config, tokenizer, files), weights, isa, kernels)

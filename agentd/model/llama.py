@@ -195,6 +195,13 @@ class SharedWeightLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.weight.detach(), bias, "none", [], "")
 
 
+def shared_parameter_ids(model: nn.Module) -> set[int]:
+    """Ids of the parameters that a module other than a linear layer owns (a tied LM head's
+    weight is the embedding's)."""
+    return {id(p) for m in model.modules() if not isinstance(m, nn.Linear)
+            for p in m.parameters(recurse=False)}
+
+
 def packing_unsupported(dtype: torch.dtype, linear: nn.Linear | None = None) -> str | None:
     """Why oneDNN cannot pack ``dtype`` linear layers on this CPU, or None when it can: packs
     ``linear`` (a small random one by default) and checks it against ``F.linear``.
@@ -236,8 +243,7 @@ def pack_linears(model: nn.Module) -> int:
     if first.weight.device.type != "cpu" or first.weight.dtype not in (torch.float32,
                                                                        torch.bfloat16):
         return 0
-    shared = {id(p) for m in model.modules() if not isinstance(m, nn.Linear)
-              for p in m.parameters(recurse=False)}
+    shared = shared_parameter_ids(model)
     if packing_unsupported(first.weight.dtype, first) is not None:
         return 0
     del first

@@ -37,6 +37,11 @@ _COUNTERS = (
     ("vllm:generation_tokens", "Generated tokens.", "generation_tokens_total"),
     ("vllm:num_preemptions", "Preemptions (requests whose blocks were freed to make room).",
      "num_preemptions"),
+    ("vllm:spec_decode_num_drafts", "Request steps that verified draft tokens.",
+     "spec_num_drafts"),
+    ("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.", "spec_num_draft_tokens"),
+    ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+     "spec_num_accepted_tokens"),
 )
 _GAUGES = (
     ("vllm:num_requests_running", "Requests in the running batch.", "num_requests_running"),

@@ -63,6 +63,7 @@ class AdminController(Controller):
             "model": engine.model_name,
             "max_model_len": engine.max_model_len,
             "block_size": engine.engine.config.block_size,
+            "compute": engine.engine.loaded.compute_report(),
             "uptime_s": round(server.uptime_s, 3),
             "pid": server.pid,
             "version": __version__,

@@ -8,6 +8,7 @@ be without any constrained request in the batch.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -35,25 +36,69 @@ class StructuredOutputs:
     def remove(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
 
-    def apply(self, logits: torch.Tensor, request_ids: list[str]) -> list[str]:
+    def apply(self, logits: torch.Tensor, request_ids: list[str],
+              drafts: Mapping[str, list[int]] | None = None) -> list[str]:
         """Mask, in place, the rows of ``logits`` whose request is constrained.
+
+        Rows come in ``request_ids`` order, 1 + ``len(drafts[rid])`` per request: a drafting
+        request's row i follows its tokens and ``draft[:i]``, so its mask is the grammar's after
+        those draft tokens (accepted, the masks filled, then rolled back).
 
         Returns the constrained requests whose grammar allows no token at all (a dead end that
         a correct grammar never reaches); their rows are left unmasked.
         """
-        rows = [i for i, rid in enumerate(request_ids) if rid in self._matchers]
+        drafts = drafts or {}
+        rows: list[tuple[str, int, list[int]]] = []  # (request id, first row, draft)
+        num_rows = 0
+        for rid in request_ids:
+            draft = drafts.get(rid, [])
+            if rid in self._matchers:
+                rows.append((rid, num_rows, draft))
+            num_rows += 1 + len(draft)
         if not rows:
             return []
         import xgrammar as xgr
 
-        bitmask = self._bitmask_rows(len(request_ids))
+        bitmask = self._bitmask_rows(num_rows)
         masked, dead = [], []
-        for i in rows:
-            (masked if self._fill(request_ids[i], bitmask, i) else dead).append(i)
+        for rid, first, draft in rows:
+            if not self._fill(rid, bitmask, first):
+                dead.append(rid)
+                continue
+            masked.extend(self._fill_draft_rows(rid, bitmask, first, draft))
         if masked:
             xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size,
                                             indices=masked)
-        return [request_ids[i] for i in dead]
+        return dead
+
+    def _fill_draft_rows(self, rid: str, bitmask: torch.Tensor, first: int,
+                         draft: list[int]) -> list[int]:
+        """Rows ``first + 1 ..``: the grammar after each draft token; the matcher is left as it
+        was. A row after a draft token the grammar refuses repeats the mask before it (the
+        verification stops at that token anyway)."""
+        matcher = self._matchers[rid]
+        num_accepted = 0
+        for i, token_id in enumerate(draft, start=1):
+            if num_accepted == i - 1 and self.accept(rid, token_id):
+                num_accepted += 1
+                if self._fill(rid, bitmask, first + i):
+                    continue
+            bitmask[first + i] = bitmask[first + i - 1]
+        if num_accepted:
+            matcher.rollback(num_accepted)
+        return list(range(first, first + len(draft) + 1))
+
+    def legal_prefix(self, request_id: str, draft: list[int]) -> list[int]:
+        """The longest prefix of ``draft`` the request's grammar accepts next."""
+        matcher = self._matchers[request_id]
+        num_accepted = 0
+        for token_id in draft:
+            if not self.accept(request_id, token_id):
+                break
+            num_accepted += 1
+        if num_accepted:
+            matcher.rollback(num_accepted)
+        return draft[:num_accepted]
 
     def _fill(self, request_id: str, bitmask: torch.Tensor, row: int) -> bool:
         """Fill ``bitmask[row]``; False when no token is legal (or the matcher cannot say: one

@@ -39,3 +39,27 @@ def test_a_real_process_and_a_gone_one() -> None:
     dead.start()
     dead.stop()
     assert dead.peak_rss_bytes is None and dead.hwm_bytes is None
+
+
+def test_a_server_with_child_processes_is_measured_whole() -> None:
+    """vLLM runs its model in a child process: the parent's own RSS would hide it."""
+    import sys
+    import time
+
+    code = "b = bytearray(64 * 2**20); import time; time.sleep(30)"
+    parent = subprocess.Popen(["sh", "-c", f"{sys.executable} -c '{code}' & wait"])
+    try:
+        sampler = RssSampler(parent.pid)
+        for _ in range(100):  # until the child has touched its 64 MiB
+            sampler.sample()
+            if (sampler.peak_rss_bytes or 0) > 64 * 2**20:
+                break
+            time.sleep(0.1)
+        assert rss.read_status_bytes(parent.pid, "VmRSS") < 16 * 2**20  # the shell alone
+        assert sampler.peak_rss_bytes > 64 * 2**20
+        assert len(rss.descendants(parent.pid)) == 1
+    finally:
+        for child in rss.descendants(parent.pid):
+            os.kill(child, 9)
+        parent.kill()
+        parent.wait()

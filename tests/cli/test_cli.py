@@ -64,6 +64,10 @@ def test_help_imports_neither_torch_transformers_nor_litestar() -> None:
     (["--port", "http"], "Invalid value for '--port'"),
     (["--bogus"], "No such option '--bogus'"),
     (["--device", "tpu"], "device must be auto, cpu or cuda"),
+    (["--speculative", "eagle"], "'eagle' is not one of 'ngram', 'off'"),
+    (["--num-speculative-tokens", "0"], "--num-speculative-tokens must be in [1, 64]"),
+    (["--prompt-lookup-min", "4"], "--prompt-lookup-min (4) must be >= 1 and <= "
+                                   "--prompt-lookup-max (3)"),
     (["--model", "/no/such/model/dir"], "model not found: /no/such/model/dir"),
 ])
 def test_bad_start_options_fail_in_one_line(runner: CliRunner, args: list[str],
@@ -119,7 +123,7 @@ def detached(runner: CliRunner, monkeypatch, tmp_path, tiny_model_factory,
     state = tmp_path / "state"
     monkeypatch.setenv("AGENTD_URL", f"http://127.0.0.1:{port}")
     args = ["start", "--detach", "--port", str(port), "--model",
-            str(tiny_model_factory("llama")), "--kv-cache-memory", "8MiB"]
+            str(tiny_model_factory("llama")), "--kv-cache-memory", "8MiB", "--weights", "int4"]
     result = runner.invoke(main, args)
     info = {"port": port, "state": state, "args": args, "result": result}
     pid_file = state / "agentd.pid"
@@ -151,10 +155,16 @@ def test_detach_status_stop_round_trip(runner: CliRunner, detached: dict) -> Non
     status = runner.invoke(main, ["status"])
     assert status.exit_code == 0, status.output
     assert "running" in status.output and "tiny-llama" in status.output
+    # The ISA and the kernels chosen: in the start log, in status, in /v1/stats.
+    assert "weights int4" in status.output and "int4pack_mm(bf16)" in status.output
+    log = (state / "agentd.log").read_text()
+    assert "kernels on " in log and "qkv_proj int4pack_mm(bf16)" in log
     assert re.search(r"threads\s+\d+ \(the default: all cores; every daemon on this host",
                      status.output), status.output
     report = json.loads(runner.invoke(main, ["status", "--json"]).output)
     assert report["pid"] == pid and report["stats"]["num_blocks_used"] == 0
+    compute = report["stats"]["compute"]
+    assert compute["weights"] == "int4" and compute["isa"] and compute["isa"] in status.output
 
     again = runner.invoke(main, detached["args"])
     assert again.exit_code == 1

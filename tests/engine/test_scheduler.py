@@ -27,9 +27,9 @@ class FakeRunner:
     next_token: dict[str, int] = field(default_factory=dict)
     num_tokens: int = 0
 
-    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+    def execute(self, out: SchedulerOutput) -> dict[str, list[int]]:
         self.num_tokens += out.num_batched_tokens
-        return {s.request_id: self.next_token.get(s.request_id, 7) for s in out.scheduled
+        return {s.request_id: [self.next_token.get(s.request_id, 7)] for s in out.scheduled
                 if s.sample}
 
 

@@ -12,9 +12,11 @@ import pytest
 import torch
 import transformers
 
+from agentd.config import SpeculativeConfig
 from agentd.engine import LLMEngine
 from agentd.llm import LLM
 from agentd.sampling_params import SamplingParams
+from agentd.spec_decode import Speculator
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +34,7 @@ NUM_LONG_TOKENS = 4
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(kv_cache_memory="160MiB", device="cpu", dtype="float32")
+    return LLM(kv_cache_memory="160MiB", device="cpu", dtype="float32", weights="float32")
 
 
 @pytest.fixture(scope="module")
@@ -85,11 +87,14 @@ def test_cached_2000_token_prefix_runs_only_the_remaining_tokens(llm: LLM) -> No
         return execute(scheduled)
 
     engine.runner.execute = recording_execute
+    # one token per decode step: speculation off (its steps: test_prompt_lookup_drafts_...)
+    speculator, engine.speculator = engine.speculator, Speculator()
     before = engine.stats().num_model_tokens
     try:
         warm = llm.generate([second], params)[0]
     finally:
         engine.runner.execute = execute
+        engine.speculator = speculator
     processed = engine.stats().num_model_tokens - before
 
     assert warm.num_cached_tokens >= 1984
@@ -100,7 +105,8 @@ def test_cached_2000_token_prefix_runs_only_the_remaining_tokens(llm: LLM) -> No
     assert starts[1:] == [(len(second) + i, 1) for i in range(NUM_LONG_TOKENS - 1)]
 
     # The same prompt on an engine without a prefix cache (same weights) gives the same tokens.
-    config = dataclasses.replace(engine.config, enable_prefix_caching=False)
+    config = dataclasses.replace(engine.config, enable_prefix_caching=False,
+                                 speculative=SpeculativeConfig(method="off"))
     uncached = LLMEngine(config, loaded=engine.loaded)
     uncached.add_request(second, params)
     token_ids: list[int] = []
@@ -109,3 +115,52 @@ def test_cached_2000_token_prefix_runs_only_the_remaining_tokens(llm: LLM) -> No
             token_ids.extend(delta.token_ids)
     assert uncached.stats().num_model_tokens == len(second) + NUM_LONG_TOKENS - 1
     assert token_ids == warm.token_ids
+
+
+def code_edit_prompts(tokenizer) -> list[list[int]]:
+    """Requests of the code-editing workload: the reply rewrites a function quoted in the prompt
+    (all share the ~950-token system prompt and tools)."""
+    from agentd.chat import render_chat
+
+    workload = json.loads(
+        resources.files("agentd.workloads").joinpath("code_edit_agent.json").read_text()
+    )
+    return [render_chat(tokenizer, [{"role": "system", "content": workload["system"]},
+                                    {"role": "user", "content": workload["turns"][i]}],
+                        workload["tools"], None).prompt_token_ids for i in CODE_EDIT_TURNS]
+
+
+CODE_EDIT_TURNS = (0, 9)
+NUM_CODE_EDIT_TOKENS = 40
+
+
+def test_prompt_lookup_drafts_leave_greedy_output_unchanged(llm: LLM, hf_model) -> None:
+    """The n-gram proposer drafts from the quoted function and most drafts are accepted; the
+    tokens are transformers' greedy tokens, alone and batched (the second request hits the
+    first's cached prefix), and the same engine's without speculation."""
+    engine = llm.engine
+    prompts = code_edit_prompts(llm.tokenizer)
+    params = SamplingParams(temperature=0.0, max_tokens=NUM_CODE_EDIT_TOKENS)
+    expected = []
+    for prompt in prompts:
+        with torch.no_grad():
+            generated = hf_model.generate(torch.tensor([prompt]), do_sample=False,
+                                          max_new_tokens=NUM_CODE_EDIT_TOKENS)
+        expected.append(generated[0, len(prompt):].tolist())
+    before = engine.stats()
+    alone = [llm.generate([prompt], params)[0] for prompt in prompts]
+    after = engine.stats()
+    assert [out.token_ids for out in alone] == expected
+    assert alone[1].num_cached_tokens > 800  # the system prompt and tools
+    accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+    num_tokens = sum(len(out.token_ids) for out in alone)
+    assert accepted >= num_tokens // 4
+    assert after.num_steps - before.num_steps <= num_tokens - accepted
+    assert [out.token_ids for out in llm.generate(prompts, params)] == expected
+
+    speculator, engine.speculator = engine.speculator, Speculator()  # --speculative off
+    try:
+        assert [out.token_ids for out in llm.generate(prompts, params)] == expected
+    finally:
+        engine.speculator = speculator
+    assert engine.stats().num_blocks_used == 0

@@ -88,7 +88,8 @@ def case(request, tiny_model_factory) -> Case:
 
 def make_llm(case: Case, **engine_args) -> LLM:
     engine_args.setdefault("kv_cache_memory_bytes", POOL_BYTES)
-    return LLM(str(case.path), device="cpu", dtype="float32", **engine_args)
+    return LLM(str(case.path), device="cpu", dtype="float32", weights="float32",
+               **engine_args)
 
 
 def tokens(outputs: list[RequestOutput]) -> list[list[int]]:

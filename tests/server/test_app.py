@@ -148,7 +148,8 @@ def test_metrics_parse_and_counters_move(client: TestClient) -> None:
     before = _scrape(client)
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
                  "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries_total",
-                 "vllm:num_preemptions_total"):
+                 "vllm:num_preemptions_total", "vllm:spec_decode_num_draft_tokens_total",
+                 "vllm:spec_decode_num_accepted_tokens_total"):
         assert name in before
     chat(client, temperature=0)
     chat(client, temperature=0, stream=True)

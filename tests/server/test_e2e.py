@@ -156,3 +156,27 @@ def test_completions_and_errors_through_the_sdk(client: openai.OpenAI) -> None:
         client.chat.completions.create(model=MODEL, messages=ask("hi"), n=2)
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-17", messages=ask("hi"))
+
+
+def test_prompt_lookup_streams_what_it_returns_whole(client: openai.OpenAI, daemon: str) -> None:
+    """A code-editing request, whose reply copies the function it quotes: the daemon (default
+    ``--speculative ngram``) accepts drafts, several tokens a step, and the streamed reply with
+    a stop string is the whole reply cut before the stop, as without speculation."""
+    workload = json.loads(resources.files("agentd.workloads").joinpath(
+        "code_edit_agent.json").read_text())
+    messages = [{"role": "system", "content": workload["system"]},
+                {"role": "user", "content": workload["turns"][9]}]
+    request = dict(model=MODEL, messages=messages, temperature=0, max_tokens=48)
+    before = _counters(daemon)
+    whole = client.chat.completions.create(**request).choices[0].message.content or ""
+    after = _counters(daemon)
+    assert after["vllm:spec_decode_num_accepted_tokens_total"] > \
+        before["vllm:spec_decode_num_accepted_tokens_total"] + 8
+    index = next(i for i in range(len(whole) // 2, len(whole) - 6)
+                 if whole.find(whole[i:i + 6]) == i)
+    stop = whole[index:index + 6]
+    chunks = list(client.chat.completions.create(**request, stream=True, stop=[stop]))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole[:index]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and
+            c.choices[0].finish_reason] == ["stop"]

@@ -132,3 +132,16 @@ def test_errors_are_anthropic_exceptions(client: anthropic.Anthropic, tiny, serv
             bad.messages.create(model=MODEL, max_tokens=2,
                                 messages=[{"role": "user", "content": "hi"}])
         assert denied.value.body["error"]["type"] == "authentication_error"
+
+
+def test_max_tokens_zero_goes_to_the_prewarm(client: anthropic.Anthropic) -> None:
+    """Accepted by validation and handed to ``retention.prewarm``: a pre-warm reply (no
+    content, no output tokens) where retention is built, else a 501 that says so."""
+    try:
+        warmed = client.messages.create(model=MODEL, max_tokens=0,
+                                        messages=[{"role": "user", "content": "Warm me."}])
+    except anthropic.APIStatusError as exc:
+        assert exc.status_code == 501 and "max_tokens: 0" in exc.body["error"]["message"]
+        assert exc.body["type"] == "error" and exc.body["error"]["type"] == "api_error"
+        return
+    assert warmed.content == [] and warmed.usage.output_tokens == 0

@@ -83,6 +83,8 @@ RESPONSES_CASES: dict[str, Case] = {
                                                                "name": "x"}}),
                                          param="text.format.schema"),
     "background": Case(resp(background=True), param="background"),
+    "reasoning effort": Case(resp(reasoning={"effort": "high"}), param="reasoning",
+                             says=("not a reasoning model",)),
     "include": Case(resp(include=["message.output_text.logprobs"]), param="include",
                     says=("logprobs",)),
     "unknown previous_response_id": Case(resp(previous_response_id="resp_nope"), status=404,

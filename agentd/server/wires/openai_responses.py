@@ -23,7 +23,7 @@ from agentd.server.wires.tools import ToolSet, responses_tools
 _UNSUPPORTED = {"background": "background responses", "conversation": "the Conversations API",
                 "prompt": "prompt templates", "max_tool_calls": "max_tool_calls",
                 "top_logprobs": "logprobs", "reasoning": "reasoning (this is not a reasoning "
-                "model)"}
+                "model; effort \"none\" is accepted)"}
 _ROLES = ("user", "assistant", "system", "developer")
 _TEXT_PARTS = ("input_text", "output_text", "text")
 
@@ -95,8 +95,8 @@ def check_fields(req: ResponsesRequest) -> ToolSet:
     """Refuse what agentd cannot honour; return the function tools."""
     for name, what in _UNSUPPORTED.items():
         value = getattr(req, name)
-        if value not in (None, False, 0, {}) and not (name == "reasoning" and not any(
-                v is not None for v in value.values())):
+        if value not in (None, False, 0, {}) and not (name == "reasoning" and all(
+                v in (None, "none") for v in value.values())):
             raise Invalid(f"{name}: {what} is not supported by agentd; omit {name}", name)
     if req.input is None or req.input == [] or req.input == "":
         raise Invalid("input is required: a string or a non-empty list of items", "input")

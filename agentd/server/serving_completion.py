@@ -52,6 +52,8 @@ class CompletionPlan:
     include_usage: bool
     cache_salt: str | None
     constraint: Constraint | None
+    prompt_cache_key: str | None = None  # the Plan fields ``wires.plan.start`` reads
+    keep_tail: bool = False
 
 
 def plan_completion(req: CompletionRequest, engine: AsyncEngine, model: str,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from agentd.outputs import StreamDelta
 from agentd.sampling_params import SamplingParams
@@ -55,7 +55,21 @@ class Started:
     on_finish: OnFinish
 
 
-async def start(request: Request[Any, Any, Any], server: ServerState, plan: Plan) -> Started:
+class Startable(Protocol):
+    """What ``start`` reads of a plan (a ``Plan``, or the text completions' own)."""
+
+    request_id: str
+    model: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    constraint: Constraint | None
+    cache_salt: str | None
+    prompt_cache_key: str | None
+    keep_tail: bool
+
+
+async def start(request: Request[Any, Any, Any], server: ServerState,
+                plan: Startable) -> Started:
     """Compile the plan's constraint, submit it, and say how to record its finish."""
     engine = server.require_engine()
     grammar = await compile_constraint(engine, plan.constraint)

@@ -224,6 +224,7 @@ class AsyncEngine:
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, cache_salt: str | None = None,
                     max_in_flight: int | None = None, grammar: Any = None,
+                    keep_tail: bool = False,
                     retention: HoldRequest | None = None) -> RequestStream:
         """Queue a request and return its stream of deltas. ``grammar`` is its compiled output
         constraint (``compile_grammar``); a constrained request must bring it, so the engine
@@ -231,7 +232,7 @@ class AsyncEngine:
 
         Raises at once, with nothing queued: ValueError for an empty or too-long prompt,
         EngineBusyError when ``max_in_flight`` requests are in flight already, EngineDeadError
-        when the engine is not running.
+        when the engine is not running. ``keep_tail``: see ``LLMEngine.add_request``.
         """
         self._check_alive()
         self._validate(prompt_token_ids)
@@ -247,7 +248,7 @@ class AsyncEngine:
         def add() -> None:
             try:
                 self.engine.add_request(prompt_token_ids, params, stream.request_id, cache_salt,
-                                        grammar, retention)
+                                        grammar, keep_tail, retention)
             except Exception as exc:  # validation raced with a config detail: report it
                 self._post(stream.request_id, exc)
 
@@ -322,6 +323,10 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._commands.put(lambda: self.engine.abort_request(request_id))
+
+    def release_tails(self, request_ids: list[str]) -> None:
+        """Drop the kept tails of these finished requests (their conversations are gone)."""
+        self._commands.put(lambda: self.engine.tails.release_all(request_ids))
 
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run ``fn(engine)`` on the engine thread between steps and return its result."""
@@ -468,6 +473,8 @@ def _check_references(engine: LLMEngine) -> None:
     for pending in engine.pins.pending.values():  # a prefilled tail not registered yet
         if pending.tail_block is not None:
             owners[pending.tail_block] += 1
+    for block_id in engine.tails.held_block_ids:  # stored conversations' last partial blocks
+        owners[block_id] += 1
     for block_id, num_owners in enumerate(owners):
         ref_cnt = pool.ref_cnt(block_id)
         assert ref_cnt == num_owners, (

@@ -10,12 +10,13 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from agentd.cache import KVCacheManager, PinKey
+from agentd.cache import BlockHash, KVCacheManager, PinKey
 from agentd.config import EngineConfig
 from agentd.detokenizer import IncrementalDetokenizer
 from agentd.kernels import get_attention_backend
@@ -32,6 +33,7 @@ from agentd.spec_decode import make_speculator
 from agentd.structured.compiler import GrammarCompiler
 from agentd.structured.jump_forward import plan_jump
 from agentd.structured.matchers import StructuredOutputs
+from agentd.tails import TailKeeper
 
 logger = logging.getLogger("agentd")
 GRAMMAR_DEAD_END = ("the output constraint allows no further token (a grammar dead end); the "
@@ -65,6 +67,7 @@ class EngineStats:
     spec_num_drafts: int = 0  # request-steps that verified draft tokens
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    num_tail_blocks: int = 0  # stored conversations' last partial blocks (agentd.tails)
 
 
 @dataclass
@@ -106,7 +109,9 @@ class LLMEngine:
         self.structured = StructuredOutputs(vocab_size)
         self.pins = PinManager(self.kv_cache, self.tokenizer,
                                int(config.max_pinned_fraction * self.num_blocks))
-        self.scheduler.prefix_extension = self.pins.tail_after
+        # conversations continued by token ids (stored responses) keep their last partial block
+        self.tails = TailKeeper(self.kv_cache, max(1, self.num_blocks // 8))
+        self.scheduler.prefix_extension = self._prefix_extension
         self.retention = RetentionManager(self.kv_cache, self.pins.registry, self.tokenizer)
         self.pin_results: dict[str, PinResult] = {}  # finished pin prefills, by request id
         self.expired_pins: list[PinKey] = []  # pins whose TTL lapsed, for the registry owner
@@ -135,9 +140,11 @@ class LLMEngine:
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, cache_salt: str | None = None,
-                    grammar: Any = None, retention: HoldRequest | None = None) -> str:
+                    grammar: Any = None, keep_tail: bool = False,
+                    retention: HoldRequest | None = None) -> str:
         """Queue a request. Raises ValueError for an empty or too-long prompt, GrammarError for
-        a constraint that does not compile (nothing changes either way).
+        a constraint that does not compile (nothing changes either way). ``keep_tail``: hold its
+        partial last block once it finishes, until ``tails.release(request_id)``.
 
         ``grammar`` is ``params.structured_outputs`` compiled by ``self.grammars`` already (the
         server compiles off this thread); without it, the constraint is compiled here.
@@ -165,6 +172,8 @@ class LLMEngine:
         if retention is not None:
             self.retention.track(request_id, retention)
         self._totals["prompt"] += len(prompt_token_ids)
+        if keep_tail:
+            self.tails.want(request_id)
         return request_id
 
     def abort_request(self, request_id: str) -> StreamDelta | None:
@@ -253,6 +262,7 @@ class LLMEngine:
                                               outputs))
         token_ids = self.speculator.sample(self.sampler, result.logits, requests, drafts)
         now = time.monotonic()
+        items = {item.request_id: item for item in out.scheduled}
         for request in self.scheduler.update_from_output(out, token_ids):
             tracked = self._tracked[request.request_id]
             retained = self.retention.after_compute(request)
@@ -270,6 +280,8 @@ class LLMEngine:
                 if self.config.jump_forward and not request.status.finished:
                     self._jump_forward(request)
             self._detokenize(tracked)
+            if request.status.finished:
+                self.tails.on_finished(request, items.get(request.request_id))
             deltas.append(self._delta(tracked, finished=request.status.finished))
         self.speculator.propose(self.scheduler.running, self.scheduler.num_waiting)
         for request in self.scheduler.running:  # a constrained request drafts what it may write
@@ -277,6 +289,13 @@ class LLMEngine:
                 request.spec_token_ids = self.structured.legal_prefix(request.request_id,
                                                                       request.spec_token_ids)
         return deltas
+
+    def _prefix_extension(self, block_hashes: Sequence[BlockHash],
+                          next_tokens: list[int]) -> tuple[int, int] | None:
+        """The longest tail past a request's cached chain: a pin's or a kept conversation's."""
+        found = [self.pins.tail_after(block_hashes, next_tokens),
+                 self.tails.tail_after(block_hashes, next_tokens)]
+        return max((f for f in found if f is not None), key=lambda f: f[1], default=None)
 
     def _detokenize(self, tracked: _Tracked) -> None:
         """Feed the request's new tokens to its detokenizer one by one; at a stop string, the
@@ -346,6 +365,7 @@ class LLMEngine:
                     self.pin_results[request.request_id] = result
             del self._tracked[request.request_id]
             self.retention.forget(request.request_id)
+            self.tails.forget(request.request_id)
             self.sampler.forget(request.request_id)
             self.speculator.forget(request.request_id)
             self.structured.remove(request.request_id)
@@ -396,4 +416,5 @@ class LLMEngine:
             spec_num_drafts=self.speculator.stats.num_drafts,
             spec_num_draft_tokens=self.speculator.stats.num_draft_tokens,
             spec_num_accepted_tokens=self.speculator.stats.num_accepted_tokens,
+            num_tail_blocks=len(self.tails),
         )

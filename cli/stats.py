@@ -1,6 +1,7 @@
 """``agentd stats``: prefix-cache hit rate (overall and per pin), TTFT of hits vs misses, pool
 blocks, throughput, prefixes retained by cache control, and near misses, as rich tables, JSON, or
-a live view (``--watch``).
+a live view (``--watch``); ``--by-key``: hit rates per ``prompt_cache_key`` (the conversation or
+agent a client names).
 
 Invariant: read-only (``GET /v1/stats``, which answers from snapshots, so watching never slows
 the engine); ``--watch`` runs until Ctrl-C and then exits 0.
@@ -24,30 +25,34 @@ NUM_RETAINED_SHOWN = 10
 
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print /v1/stats as JSON.")
+@click.option("--by-key", is_flag=True,
+              help="Hit rates per prompt_cache_key (Anthropic: metadata.user_id) instead.")
 @click.option("--watch", type=click.FloatRange(min=0.2), is_flag=False, flag_value=2.0,
               default=None, metavar="[SECONDS]",
               help="Refresh every SECONDS (default 2) until Ctrl-C.")
 @url_option
-def command(as_json: bool, watch: float | None, url: str) -> None:
+def command(as_json: bool, by_key: bool, watch: float | None, url: str) -> None:
     """Show cache hit rates, TTFT of hits vs misses, pool blocks, tokens/s and near misses."""
     client = DaemonClient(url)
+    view = render_by_key if by_key else render
     if as_json:
-        click.echo(json.dumps(client.json("GET", "/v1/stats"), indent=2))
+        stats = client.json("GET", "/v1/stats")
+        click.echo(json.dumps(stats.get("by_key", []) if by_key else stats, indent=2))
         return
     from rich.console import Console
 
     console = Console()
     if watch is None:
-        console.print(render(client.json("GET", "/v1/stats")))
+        console.print(view(client.json("GET", "/v1/stats")))
         return
     from rich.live import Live
 
     try:
-        with Live(render(client.json("GET", "/v1/stats")), console=console,
+        with Live(view(client.json("GET", "/v1/stats")), console=console,
                   auto_refresh=False) as live:
             while True:
                 time.sleep(watch)
-                live.update(render(client.json("GET", "/v1/stats")), refresh=True)
+                live.update(view(client.json("GET", "/v1/stats")), refresh=True)
     except KeyboardInterrupt:
         pass
 
@@ -69,6 +74,22 @@ def render(s: dict[str, Any]) -> Any:
     if s.get("pin_restore"):
         parts.append(_restore(s["pin_restore"]))
     return Group(*parts)
+
+
+def render_by_key(s: dict[str, Any]) -> Any:
+    """One row per ``prompt_cache_key``: requests, hits and the share of prompt tokens cached."""
+    rows = s.get("by_key", [])
+    tenants = any(row["tenant"] for row in rows)
+    table = compact_table("cache by prompt_cache_key", "key", [
+        *(["tenant"] if tenants else []), "requests", "hits", "prompt\ntokens",
+        "cached\ntokens", "hit rate"], caption_justify="left",
+        caption="hits: requests with any cached prompt token; send prompt_cache_key (OpenAI) or "
+                "metadata.user_id (Anthropic) to be counted here" if not rows else None)
+    for row in rows:
+        table.add_row(row["key"], *([(row["tenant"] or "-")[:8]] if tenants else []),
+                      str(row["requests"]), str(row["hits"]), str(row["prompt_tokens"]),
+                      str(row["cached_tokens"]), _pct(row["hit_rate"]))
+    return table
 
 
 def _overview(s: dict[str, Any]) -> Any:

@@ -77,6 +77,7 @@ class AdminController(Controller):
             "num_threads_default": server.config.num_threads is None,
             **stats_report(engine.stats(), engine.pin_summary(), server.metrics.recent,
                            pins.restore_report, pins.last_persist_error),
+            "by_key": server.key_stats.report(),
             "prompt_near_misses": _prompt_near_misses(server),
         }
 

@@ -45,7 +45,8 @@ def new_request_id(prefix: str) -> str:
 def submit(engine: AsyncEngine, prompt_token_ids: list[int], params: SamplingParams,
            request_id: str, cache_salt: str | None,
            max_in_flight: int | None = None, grammar: Any = None,
-           retention: RetentionRequest | None = None, owner: str | None = None) -> RequestStream:
+           keep_tail: bool = False, retention: RetentionRequest | None = None,
+           owner: str | None = None) -> RequestStream:
     """Queue the request (with its compiled output constraint, if any, and the prefix to retain,
     held for ``owner``); the engine's at-once rejections become OpenAI errors (503 when
     ``max_in_flight`` requests are in flight already, with ``Retry-After``)."""
@@ -54,7 +55,7 @@ def submit(engine: AsyncEngine, prompt_token_ids: list[int], params: SamplingPar
         if retention is not None and retention.num_tokens > 0:
             hold = HoldRequest(retention.num_tokens, retention.ttl_s, owner)
         return engine.add_request(prompt_token_ids, params, request_id, cache_salt,
-                                  max_in_flight, grammar, hold)
+                                  max_in_flight, grammar, keep_tail, hold)
     except EngineBusyError as exc:
         raise APIError(503, str(exc), code="server_busy",
                        headers={"Retry-After": str(RETRY_AFTER_S)}) from exc
@@ -98,22 +99,25 @@ def exception_error(exc: BaseException) -> APIError:
 class Collected:
     text: str
     last: StreamDelta
+    token_ids: list[int]  # every output token id, as the engine produced them
 
 
 async def collect(deltas: AsyncIterator[StreamDelta]) -> Collected:
     """Read a request to its end: the whole text and the last delta (usage, finish reason)."""
     pieces: list[str] = []
+    token_ids: list[int] = []
     last: StreamDelta | None = None
     try:
         async for delta in deltas:
             pieces.append(delta.text)
+            token_ids += delta.token_ids
             last = delta
     except (ValueError, RuntimeError) as exc:
         raise exception_error(exc) from exc
     assert last is not None  # the engine always ends a stream with a finished delta
     if last.error is not None:
         raise delta_error(last)
-    return Collected("".join(pieces), last)
+    return Collected("".join(pieces), last, token_ids)
 
 
 async def until_disconnect(request: Request[Any, Any, Any], work: Awaitable[T],

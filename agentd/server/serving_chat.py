@@ -20,14 +20,12 @@ Cache fields. ``prompt_cache_retention: "24h"`` and ``prompt_cache_options`` ret
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 
 from agentd.async_engine import AsyncEngine, RequestStream
 from agentd.chat import render_chat
 from agentd.outputs import StreamDelta
-from agentd.sampling_params import SamplingParams
-from agentd.server.constraints import Constraint, output_format, tool_constraint
+from agentd.server.constraints import output_format, tool_constraint
 from agentd.server.errors import APIError
 from agentd.server.protocol import (
     ChatCompletion,
@@ -47,7 +45,7 @@ from agentd.server.protocol import (
     validate_chat_request,
     validate_prompt_len,
 )
-from agentd.server.retention import RetentionRequest, cache_usage, openai_retention
+from agentd.server.retention import cache_usage, openai_retention
 from agentd.server.serving import (
     SSE_DONE,
     collect,
@@ -59,30 +57,12 @@ from agentd.server.serving import (
     usage_of,
 )
 from agentd.server.tool_calls import Piece, ToolCallAssembler, ToolMode
+from agentd.server.wires.plan import OnFinish, Plan
 from agentd.tool_parser import CallStartEvent
-
-OnFinish = Callable[[StreamDelta, str], None]
-
-
-@dataclass(frozen=True)
-class ChatPlan:
-    """Everything needed to run one chat request and shape its reply."""
-
-    request_id: str
-    model: str
-    created: int
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    tool_mode: ToolMode
-    constraint: Constraint | None
-    include_usage: bool
-    cache_salt: str | None
-    retention: RetentionRequest | None = None
-    prompt_cache_key: str | None = None
 
 
 def plan_chat(req: ChatCompletionRequest, engine: AsyncEngine, model: str,
-              created: int) -> ChatPlan:
+              created: int) -> Plan:
     """Validate ``req`` and render it to token ids; raises OpenAI-shaped 400 errors."""
     validate_chat_request(req, engine.max_model_len)
     inputs = to_template_inputs(req)
@@ -107,7 +87,7 @@ def plan_chat(req: ChatCompletionRequest, engine: AsyncEngine, model: str,
     validate_prompt_len(len(prompt_token_ids), params.max_tokens, engine.max_model_len)
     retention = openai_retention(req.prompt_cache_retention, req.prompt_cache_options,
                                  len(prompt_token_ids))
-    return ChatPlan(
+    return Plan(
         request_id=new_request_id("chatcmpl"), model=model, created=created,
         prompt_token_ids=prompt_token_ids, params=params,
         tool_mode=ToolMode.PARSE if tools_on else ToolMode.OFF, constraint=constraint,
@@ -116,7 +96,7 @@ def plan_chat(req: ChatCompletionRequest, engine: AsyncEngine, model: str,
     )
 
 
-async def complete_chat(plan: ChatPlan, deltas: AsyncIterator[StreamDelta],
+async def complete_chat(plan: Plan, deltas: AsyncIterator[StreamDelta],
                         on_finish: OnFinish) -> ChatCompletion:
     """Collect the whole generation into one ``ChatCompletion``."""
     got = await collect(deltas)
@@ -136,7 +116,7 @@ async def complete_chat(plan: ChatPlan, deltas: AsyncIterator[StreamDelta],
     )
 
 
-async def stream_chat(plan: ChatPlan, deltas: RequestStream,
+async def stream_chat(plan: Plan, deltas: RequestStream,
                       on_finish: OnFinish) -> AsyncIterator[bytes]:
     """SSE chunks for one submitted generation. Closing this generator early aborts the
     request; so does dropping it unstarted (``RequestStream`` aborts when garbage-collected).
@@ -177,7 +157,7 @@ async def stream_chat(plan: ChatPlan, deltas: RequestStream,
     yield SSE_DONE
 
 
-def _usage(plan: ChatPlan, last: StreamDelta) -> Usage:
+def _usage(plan: Plan, last: StreamDelta) -> Usage:
     """OpenAI's usage; ``cache_write_tokens`` only for a request that asked to retain."""
     usage = usage_of(last)
     if plan.retention is not None:

@@ -35,8 +35,10 @@ from litestar.handlers import BaseRouteHandler
 from agentd.config import EngineConfig
 from agentd.server.errors import APIError
 from agentd.server.intake import UnknownFields
+from agentd.server.key_stats import KeyStats
 from agentd.server.local_token import new_token, write_token
 from agentd.server.metrics import EngineSnapshot, ServerMetrics
+from agentd.server.wires.response_store import ResponseStore
 
 if TYPE_CHECKING:
     from agentd.async_engine import AsyncEngine
@@ -66,6 +68,9 @@ class ServerSettings:
     allowed_hosts: tuple[str, ...] = ()
     cors_origins: tuple[str, ...] = ()
     read_timeout_s: float = 30.0
+    # Responses API: stored responses (per API key) and how long one lives after its last use
+    response_store_size: int = 1024
+    response_store_ttl_s: float = 3600.0
 
     def __post_init__(self) -> None:
         if self.max_request_body_bytes < 1024:
@@ -78,6 +83,8 @@ class ServerSettings:
             raise ValueError(f"max_queue must be >= 0, not {self.max_queue}")
         if self.read_timeout_s <= 0:
             raise ValueError(f"read_timeout_s must be > 0, not {self.read_timeout_s}")
+        if self.response_store_size < 0 or self.response_store_ttl_s <= 0:
+            raise ValueError("response_store_size must be >= 0 and response_store_ttl_s > 0")
 
     @property
     def all_keys(self) -> tuple[str, ...]:
@@ -113,6 +120,9 @@ class ServerState:
         self.request_exit: Callable[[int], None] = request_exit or (lambda code: None)
         self.metrics = ServerMetrics(self._stats_snapshot)
         self.unknown_fields = UnknownFields()  # logged once per name
+        self.key_stats = KeyStats()  # by prompt_cache_key
+        self.responses = ResponseStore(settings.response_store_size,
+                                       settings.response_store_ttl_s, self.release_tails)
         self.cli_token = new_token()  # lets `agentd stop` shut down a daemon without keys
         self._loader: threading.Thread | None = None
         self._abort_timer: threading.Timer | None = None
@@ -280,6 +290,12 @@ class ServerState:
         """Requests that may be in flight at once: a full batch plus ``max_queue`` waiting."""
         return engine.max_num_seqs + self.settings.max_queue
 
+    def release_tails(self, request_ids: list[str]) -> None:
+        """Stored responses dropped: their engine tails go too."""
+        engine = self.engine
+        if engine is not None and request_ids:
+            engine.release_tails(request_ids)
+
     def _stats_snapshot(self) -> EngineSnapshot | None:
         engine = self.engine
         if engine is None:
@@ -298,7 +314,8 @@ def _abort_margin_s(grace_s: float) -> float:
     return min(2.0, grace_s / 2)
 
 
-_SUBMITTING_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+_SUBMITTING_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses",
+                               "/v1/messages"})
 _ARRIVING = "agentd_arriving"
 
 
@@ -329,7 +346,8 @@ def server_of(state: State) -> ServerState:
 
 
 def require_api_key(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
-    """Litestar guard: when API keys are set, ``Authorization: Bearer <key>`` must match one.
+    """Litestar guard: when API keys are set, ``Authorization: Bearer <key>`` (or Anthropic's
+    ``x-api-key: <key>``) must match one.
 
     With per-key caches, a tenant key's id goes to ``connection.state.cache_tenant``; whether the
     key is an operator's goes to ``connection.state.operator``.
@@ -339,11 +357,13 @@ def require_api_key(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRoute
     if not keys:
         return
     scheme, _sep, token = connection.headers.get("authorization", "").partition(" ")
+    if "authorization" not in connection.headers and "x-api-key" in connection.headers:
+        scheme, token = "bearer", connection.headers["x-api-key"]
     given = token.strip().encode()
     matched = [key for key in keys if hmac.compare_digest(given, key.encode())]
     if scheme.lower() != "bearer" or not matched:
         raise APIError(401, "missing or incorrect API key; send 'Authorization: Bearer <key>' "
-                       "with a key given to `agentd start --api-key`",
+                       "(or 'x-api-key: <key>') with a key given to `agentd start --api-key`",
                        headers={"WWW-Authenticate": "Bearer"})
     if settings.per_key_cache and matched[0] not in settings.admin_keys:
         connection.state.cache_tenant = tenant_of(matched[0])

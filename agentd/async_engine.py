@@ -25,6 +25,7 @@ from agentd.config import EngineConfig
 from agentd.engine import EngineStats, LLMEngine
 from agentd.outputs import StreamDelta
 from agentd.pins import PinResult, PinSummary
+from agentd.retention import HoldRequest
 from agentd.sampling_params import SamplingParams
 from agentd.structured.params import StructuredOutputsParams
 
@@ -51,6 +52,7 @@ class IntegrityReport:
     error: str | None
     num_blocks_used: int
     num_blocks_pinned: int
+    num_blocks_retained: int  # held by retained prefixes (cache control) and by no pin
     num_requests: int  # requests the scheduler still knows (running or waiting)
     num_streams: int  # streams still registered on the async side
 
@@ -221,14 +223,16 @@ class AsyncEngine:
     # --- requests --------------------------------------------------------------------------
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, cache_salt: str | None = None,
-                    max_in_flight: int | None = None, grammar: Any = None) -> RequestStream:
+                    max_in_flight: int | None = None, grammar: Any = None,
+                    keep_tail: bool = False,
+                    retention: HoldRequest | None = None) -> RequestStream:
         """Queue a request and return its stream of deltas. ``grammar`` is its compiled output
         constraint (``compile_grammar``); a constrained request must bring it, so the engine
-        thread never compiles.
+        thread never compiles. ``retention``: hold its prefix once computed.
 
         Raises at once, with nothing queued: ValueError for an empty or too-long prompt,
         EngineBusyError when ``max_in_flight`` requests are in flight already, EngineDeadError
-        when the engine is not running.
+        when the engine is not running. ``keep_tail``: see ``LLMEngine.add_request``.
         """
         self._check_alive()
         self._validate(prompt_token_ids)
@@ -244,7 +248,7 @@ class AsyncEngine:
         def add() -> None:
             try:
                 self.engine.add_request(prompt_token_ids, params, stream.request_id, cache_salt,
-                                        grammar)
+                                        grammar, keep_tail, retention)
             except Exception as exc:  # validation raced with a config detail: report it
                 self._post(stream.request_id, exc)
 
@@ -320,6 +324,10 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(lambda: self.engine.abort_request(request_id))
 
+    def release_tails(self, request_ids: list[str]) -> None:
+        """Drop the kept tails of these finished requests (their conversations are gone)."""
+        self._commands.put(lambda: self.engine.tails.release_all(request_ids))
+
     async def call(self, fn: Callable[[LLMEngine], T]) -> T:
         """Run ``fn(engine)`` on the engine thread between steps and return its result."""
         self._check_alive()
@@ -359,6 +367,7 @@ class AsyncEngine:
             return IntegrityReport(ok=error is None, error=error,
                                    num_blocks_used=stats.num_blocks_used,
                                    num_blocks_pinned=stats.num_blocks_pinned,
+                                   num_blocks_retained=stats.num_blocks_retained,
                                    num_requests=len(engine.scheduler.requests),
                                    num_streams=len(self._streams))
 
@@ -446,7 +455,7 @@ class AsyncEngine:
 def _check_references(engine: LLMEngine) -> None:
     """Raise AssertionError unless the pool is sound and each block's ref count equals the
     number of its owners: live requests' block tables plus the pins holding it (full blocks
-    and tail blocks)."""
+    and tail blocks) and the retained prefixes holding it."""
     kv_cache = engine.kv_cache
     pool = kv_cache.pool
     pool.check_integrity()
@@ -458,9 +467,14 @@ def _check_references(engine: LLMEngine) -> None:
     for pin in engine.pins.registry:
         for block_id in pin.held_block_ids:
             owners[block_id] += 1
+    for prefix in engine.pins.registry.retained:
+        for block_id in prefix.block_ids:
+            owners[block_id] += 1
     for pending in engine.pins.pending.values():  # a prefilled tail not registered yet
         if pending.tail_block is not None:
             owners[pending.tail_block] += 1
+    for block_id in engine.tails.held_block_ids:  # stored conversations' last partial blocks
+        owners[block_id] += 1
     for block_id, num_owners in enumerate(owners):
         ref_cnt = pool.ref_cnt(block_id)
         assert ref_cnt == num_owners, (

@@ -163,6 +163,13 @@ class _SpecialTextGuard:
         return self._plain_ids(text[0]) + self._plain_ids(text[1:])
 
 
+def plain_text_ids(tokenizer: Any, text: str) -> list[int]:
+    """``text``'s token ids with every special token's string spelled as plain text (an
+    assistant prefill appended to a rendered prompt, say)."""
+    guard = _SpecialTextGuard(tokenizer)
+    return guard.tokenize(guard.escape(text)).prompt_token_ids
+
+
 @lru_cache(maxsize=8)
 def _special_strings(tokenizer: Any) -> tuple[list[str], re.Pattern[str] | None]:
     """The tokenizer's special tokens' strings, and a pattern matching any (longest first)."""

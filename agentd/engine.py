@@ -10,12 +10,13 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from agentd.cache import KVCacheManager, PinKey
+from agentd.cache import BlockHash, KVCacheManager, PinKey
 from agentd.config import EngineConfig
 from agentd.detokenizer import IncrementalDetokenizer
 from agentd.kernels import get_attention_backend
@@ -23,6 +24,7 @@ from agentd.model.build import LoadedModel, load_model
 from agentd.outputs import StreamDelta
 from agentd.pins import PendingPin, PinManager, PinResult
 from agentd.request import Request, RequestStatus
+from agentd.retention import HoldRequest, Retained, RetentionManager
 from agentd.runner import ModelRunner
 from agentd.sampler import Sampler
 from agentd.sampling_params import SamplingParams
@@ -31,6 +33,7 @@ from agentd.spec_decode import make_speculator
 from agentd.structured.compiler import GrammarCompiler
 from agentd.structured.jump_forward import plan_jump
 from agentd.structured.matchers import StructuredOutputs
+from agentd.tails import TailKeeper
 
 logger = logging.getLogger("agentd")
 GRAMMAR_DEAD_END = ("the output constraint allows no further token (a grammar dead end); the "
@@ -57,9 +60,14 @@ class EngineStats:
     num_blocks_pinned: int
     num_pins: int
     num_jump_forward_tokens: int = 0  # output tokens a grammar forced, appended without a step
+    num_retained: int = 0  # prefixes held by cache control (retention), not by name
+    num_blocks_retained: int = 0  # blocks they hold that no pin holds too
+    num_retained_expired: int = 0  # decayed at their TTL
+    num_retained_displaced: int = 0  # decayed early: the pin budget needed room
     spec_num_drafts: int = 0  # request-steps that verified draft tokens
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    num_tail_blocks: int = 0  # stored conversations' last partial blocks (agentd.tails)
 
 
 @dataclass
@@ -67,6 +75,7 @@ class _Tracked:
     request: Request
     detokenizer: IncrementalDetokenizer
     num_emitted_tokens: int = 0
+    num_retained_tokens: int = 0
 
 
 class LLMEngine:
@@ -101,7 +110,10 @@ class LLMEngine:
                                             self.loaded.eos_token_ids)
         self.pins = PinManager(self.kv_cache, self.tokenizer,
                                int(config.max_pinned_fraction * self.num_blocks))
-        self.scheduler.prefix_extension = self.pins.tail_after
+        # conversations continued by token ids (stored responses) keep their last partial block
+        self.tails = TailKeeper(self.kv_cache, max(1, self.num_blocks // 8))
+        self.scheduler.prefix_extension = self._prefix_extension
+        self.retention = RetentionManager(self.kv_cache, self.pins.registry, self.tokenizer)
         self.pin_results: dict[str, PinResult] = {}  # finished pin prefills, by request id
         self.expired_pins: list[PinKey] = []  # pins whose TTL lapsed, for the registry owner
         self._tracked: dict[str, _Tracked] = {}
@@ -129,12 +141,16 @@ class LLMEngine:
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, cache_salt: str | None = None,
-                    grammar: Any = None) -> str:
+                    grammar: Any = None, keep_tail: bool = False,
+                    retention: HoldRequest | None = None) -> str:
         """Queue a request. Raises ValueError for an empty or too-long prompt, GrammarError for
-        a constraint that does not compile (nothing changes either way).
+        a constraint that does not compile (nothing changes either way). ``keep_tail``: hold its
+        partial last block once it finishes, until ``tails.release(request_id)``.
 
         ``grammar`` is ``params.structured_outputs`` compiled by ``self.grammars`` already (the
         server compiles off this thread); without it, the constraint is compiled here.
+        ``retention``: hold the prompt's prefix once computed (its deltas report
+        ``num_retained_tokens``).
         """
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._tracked:
@@ -154,7 +170,11 @@ class LLMEngine:
         self._tracked[request_id] = _Tracked(request, detok)
         if grammar is not None:
             self.structured.add(request_id, grammar)
+        if retention is not None:
+            self.retention.track(request_id, retention)
         self._totals["prompt"] += len(prompt_token_ids)
+        if keep_tail:
+            self.tails.want(request_id)
         return request_id
 
     def abort_request(self, request_id: str) -> StreamDelta | None:
@@ -203,10 +223,18 @@ class LLMEngine:
         """Drop a pin; its blocks become ordinary cached blocks. Raises PinNotFoundError."""
         self.pins.registry.remove(key)
 
+    def retain(self, token_ids: list[int], hold: HoldRequest,
+               cache_salt: str | None = None) -> Retained | None:
+        """Hold the cached whole blocks of ``token_ids[:hold.num_tokens]`` now (see
+        ``RetentionManager.retain``); None when nothing could be held."""
+        return self.retention.retain(token_ids, hold, cache_salt)
+
     def expire_pins(self) -> None:
-        for key in self.pins.registry.expired(time.monotonic()):
+        now = time.monotonic()
+        for key in self.pins.registry.expired(now):
             self.pins.registry.remove(key)
             self.expired_pins.append(key)
+        self.retention.expire(now)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -215,6 +243,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         for request_id in out.admitted_ids:
             self.pins.on_admitted(self.scheduler.requests[request_id])
+            self.retention.on_admitted(self.scheduler.requests[request_id])
         deltas = [self._delta(self._tracked[rid], finished=True,
                               error="the request does not fit in the KV cache pool")
                   for rid in out.failed_ids]
@@ -236,8 +265,12 @@ class LLMEngine:
                                               outputs, closing))
         token_ids = self.speculator.sample(self.sampler, result.logits, requests, drafts)
         now = time.monotonic()
+        items = {item.request_id: item for item in out.scheduled}
         for request in self.scheduler.update_from_output(out, token_ids):
             tracked = self._tracked[request.request_id]
+            retained = self.retention.after_compute(request)
+            if retained is not None:
+                tracked.num_retained_tokens = retained.num_tokens
             if request.first_token_time_s is None:
                 request.first_token_time_s = now
             if request.request_id in self.structured:
@@ -250,6 +283,8 @@ class LLMEngine:
                 if self.config.jump_forward and not request.status.finished:
                     self._jump_forward(request)
             self._detokenize(tracked)
+            if request.status.finished:
+                self.tails.on_finished(request, items.get(request.request_id))
             deltas.append(self._delta(tracked, finished=request.status.finished))
         self.speculator.propose(self.scheduler.running, self.scheduler.num_waiting)
         for request in self.scheduler.running:  # a constrained request drafts what it may write
@@ -257,6 +292,13 @@ class LLMEngine:
                 request.spec_token_ids = self.structured.legal_prefix(request.request_id,
                                                                       request.spec_token_ids)
         return deltas
+
+    def _prefix_extension(self, block_hashes: Sequence[BlockHash],
+                          next_tokens: list[int]) -> tuple[int, int] | None:
+        """The longest tail past a request's cached chain: a pin's or a kept conversation's."""
+        found = [self.pins.tail_after(block_hashes, next_tokens),
+                 self.tails.tail_after(block_hashes, next_tokens)]
+        return max((f for f in found if f is not None), key=lambda f: f[1], default=None)
 
     def _detokenize(self, tracked: _Tracked) -> None:
         """Feed the request's new tokens to its detokenizer one by one; at a stop string, the
@@ -325,6 +367,8 @@ class LLMEngine:
                 if result is not None:
                     self.pin_results[request.request_id] = result
             del self._tracked[request.request_id]
+            self.retention.forget(request.request_id)
+            self.tails.forget(request.request_id)
             self.sampler.forget(request.request_id)
             self.speculator.forget(request.request_id)
             self.structured.remove(request.request_id)
@@ -337,6 +381,7 @@ class LLMEngine:
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens or 0,
             num_output_tokens=request.num_output_tokens,
+            num_retained_tokens=tracked.num_retained_tokens,
             finish_reason=request.status.value if finished else None,
             stop_reason=request.stop_reason,
             error=error,
@@ -367,7 +412,12 @@ class LLMEngine:
             num_blocks_pinned=self.pins.registry.num_pinned_blocks,
             num_pins=len(self.pins.registry),
             num_jump_forward_tokens=self._totals["jump_forward"],
+            num_retained=len(self.pins.registry.retained),
+            num_blocks_retained=self.pins.registry.num_retained_blocks,
+            num_retained_expired=self.retention.num_expired,
+            num_retained_displaced=self.pins.registry.num_retained_displaced,
             spec_num_drafts=self.speculator.stats.num_drafts,
             spec_num_draft_tokens=self.speculator.stats.num_draft_tokens,
             spec_num_accepted_tokens=self.speculator.stats.num_accepted_tokens,
+            num_tail_blocks=len(self.tails),
         )

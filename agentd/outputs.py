@@ -37,6 +37,7 @@ class StreamDelta:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_output_tokens: int
+    num_retained_tokens: int = 0  # prompt tokens its retention (cache control) holds now
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: str | None = None

@@ -28,7 +28,10 @@ from agentd.cache import (
     PinRegistry,
 )
 from agentd.chat import common_prefix_len
+from agentd.near_miss import Span, describe, find_span
+from agentd.near_miss import common_prefix_len as common_len
 from agentd.request import Request
+from agentd.retention import RetainedStat, retained_stats
 from agentd.scheduler import ScheduledRequest
 
 _NEAR_MISS_KEEP = 256
@@ -113,6 +116,7 @@ class PinSummary:
     recent_near_misses: tuple[NearMiss, ...] = ()  # newest last
     num_near_misses: int = 0
     expired: tuple[PinKey, ...] = ()  # pins decayed by TTL that the registry owner has not synced
+    retained: tuple[RetainedStat, ...] = ()  # prefixes held by cache control, newest use first
 
 
 @dataclass
@@ -319,7 +323,8 @@ class PinManager:
     def summary(self, expired: tuple[str, ...] = ()) -> PinSummary:
         """An immutable copy of the pins' counters and the latest near misses (cheap: a few
         pins, a small counter)."""
-        if not len(self.registry) and not self.near_misses and not expired:
+        if (not len(self.registry) and not self.near_misses and not expired
+                and not len(self.registry.retained)):
             return _EMPTY_SUMMARY
         pins = tuple(PinStat(p.name, p.num_tokens, p.num_blocks_held, p.num_hits,
                              p.num_tokens_served, p.ttl_s, p.last_hit_s, p.created_s, p.owner)
@@ -327,7 +332,8 @@ class PinManager:
         counts = tuple(NearMissCount(key.owner, key.name, cause, n)
                        for (key, cause), n in self.near_miss_counts.most_common())
         recent = tuple(self.near_misses)[-_NEAR_MISS_RECENT:]
-        return PinSummary(pins, counts, recent, sum(self.near_miss_counts.values()), expired)
+        return PinSummary(pins, counts, recent, sum(self.near_miss_counts.values()), expired,
+                          retained_stats(self.registry))
 
     # --- accounting ------------------------------------------------------------------------
     def on_admitted(self, request: Request) -> None:
@@ -346,28 +352,44 @@ class PinManager:
             self._check_near_miss(candidate, request, hashes)
 
     def _check_near_miss(self, pin: Pin, request: Request, hashes: list[bytes]) -> None:
-        block_size = self.kv_cache.block_size
+        if request.cache_salt != pin.cache_salt:
+            return  # another tenant's (or salt's) prompt is none of this pin's business
         num_equal = 0
         for mine, theirs in zip(pin.block_hashes, hashes, strict=False):
             if mine != theirs:
                 break
             num_equal += 1
-        if num_equal == 0 or num_equal * block_size < pin.num_tokens // 4:
-            return  # a different prompt, not a near miss
-        start = num_equal * block_size
-        index = start
         tokens = request.all_token_ids
         pin_tokens = pin.all_token_ids
-        while index < min(len(tokens), len(pin_tokens)) and tokens[index] == pin_tokens[index]:
-            index += 1
+        start = num_equal * self.kv_cache.block_size
+        index = start + common_len(tokens, pin_tokens, start, start)
         if index >= pin.num_tokens:
-            return  # the request is simply shorter than the pin... or salted differently
-        pin_text = self._context(pin_tokens, index)
-        request_text = self._context(tokens, index)
-        cause = guess_cause(pin_text, request_text)
-        self.near_misses.append(NearMiss(pin.name, request.request_id, index, pin.num_tokens,
-                                         pin_text, request_text, cause, time.time(), pin.owner))
-        self.near_miss_counts[(pin.key, cause)] += 1
+            return  # the request is simply shorter than the pin
+        # A short span that varies (a per-request hash, a timestamp), then the pin again: named
+        # with its span wherever it is, even in the first block.
+        span = find_span(tokens, pin_tokens[:pin.num_tokens], index)
+        if span is not None and span.num_equal_after >= pin.num_tokens // 4:
+            self._record_span(pin, request, span)
+        elif num_equal and start >= pin.num_tokens // 4:
+            pin_text = self._context(pin_tokens, index)
+            request_text = self._context(tokens, index)
+            self._record(NearMiss(pin.name, request.request_id, index, pin.num_tokens, pin_text,
+                                  request_text, guess_cause(pin_text, request_text),
+                                  time.time(), pin.owner), pin.key)
+        # else: a different prompt, not a near miss
+
+    def _record_span(self, pin: Pin, request: Request, span: Span) -> None:
+        why = describe(self.tokenizer, request.all_token_ids, pin.all_token_ids, span)
+        cause = why.cause if why.fix is None else f"{why.cause}; {why.fix}"
+        before, old, new = (text.replace("\n", "\\n")
+                            for text in (why.before, why.old_text, why.new_text))
+        self._record(NearMiss(pin.name, request.request_id, span.start, pin.num_tokens,
+                              f"{before}⟦{old}⟧", f"{before}⟦{new}⟧", cause, time.time(),
+                              pin.owner), pin.key)
+
+    def _record(self, miss: NearMiss, key: PinKey) -> None:
+        self.near_misses.append(miss)
+        self.near_miss_counts[(key, miss.cause)] += 1
 
     def _context(self, token_ids: list[int], index: int) -> str:
         before = self.tokenizer.decode(token_ids[max(0, index - 24):index])

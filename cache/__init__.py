@@ -18,6 +18,7 @@ from .pins import (
     PinRegistry,
     pin_key,
 )
+from .retention import RetainedPrefix, RetainedPrefixes
 
 __all__ = [
     "BlockHash",
@@ -34,6 +35,8 @@ __all__ = [
     "PinKey",
     "PinNotFoundError",
     "PinRegistry",
+    "RetainedPrefix",
+    "RetainedPrefixes",
     "hash_block",
     "hash_blocks",
     "pin_key",

@@ -5,8 +5,14 @@ have ``ref_cnt > 0`` and never reach the free queue; the evictor needs no "pinne
 Pins are scoped by tenant: a pin is found by its ``PinKey`` (tenant, name), so two tenants may
 each hold a pin of the same name, and its blocks are hashed under its tenant's cache salt, so
 only that tenant's requests ever match it. ``owner=None`` is the server-wide name space.
-Invariants: a pin holds exactly one reference on each of its blocks; the number of distinct
-pinned blocks never exceeds ``max_pinned_blocks``; a refused pin changes nothing.
+
+Retention is the same mechanism (design §9): a retained prefix (:mod:`.retention`) is a hold
+with an expiry, counted in the same budget. Pins come first: a pin is checked against pins
+alone, and when it is added the retained prefixes make room for it, least recently used first;
+a new retained prefix likewise displaces older ones, never a pin.
+Invariants: a pin holds exactly one reference on each of its blocks; the distinct blocks held by
+pins and retained prefixes together never exceed ``max_pinned_blocks``; a refused pin or
+retention changes nothing.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from typing import Any, NamedTuple
 
 from .hashing import BlockHash
 from .kv_cache_manager import KVCacheManager
+from .retention import RetainedPrefix, RetainedPrefixes
 
 
 class PinError(Exception):
@@ -111,6 +118,8 @@ class PinRegistry:
         self.max_pinned_blocks = max_pinned_blocks
         self._pins: dict[PinKey, Pin] = {}
         self._holders: dict[int, int] = {}  # block id -> number of pins holding it
+        self.retained = RetainedPrefixes(kv_cache)
+        self.num_retained_displaced = 0  # retained prefixes decayed early to fit the budget
 
     def __iter__(self) -> Iterator[Pin]:
         return iter(list(self._pins.values()))
@@ -134,6 +143,16 @@ class PinRegistry:
     def num_pinned_blocks(self) -> int:
         """Distinct blocks held by pins (pins sharing a prefix share its blocks)."""
         return len(self._holders)
+
+    @property
+    def num_retained_blocks(self) -> int:
+        """Distinct blocks held by retained prefixes and by no pin."""
+        return sum(1 for b in self.retained.block_ids() if b not in self._holders)
+
+    @property
+    def num_held_blocks(self) -> int:
+        """Distinct blocks held by pins or retained prefixes: what the budget bounds."""
+        return self.num_pinned_blocks + self.num_retained_blocks
 
     def check_can_add(self, key: PinKey | str, block_ids: Sequence[int] | None = None,
                       num_blocks: int = 0) -> None:
@@ -183,6 +202,7 @@ class PinRegistry:
         for block_id in pin.held_block_ids:
             self._holders[block_id] = self._holders.get(block_id, 0) + 1
         self._pins[pin.key] = pin
+        self._fit_retention(set())
         return pin
 
     def remove(self, key: PinKey | str) -> Pin:
@@ -218,3 +238,48 @@ class PinRegistry:
         """Pins whose TTL passed without a hit (they should decay to LRU)."""
         return [p.key for p in self._pins.values()
                 if p.ttl_s is not None and now_s - p.last_hit_s > p.ttl_s]
+
+    # --- retention -------------------------------------------------------------------------
+    def retain(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash],
+               num_tokens: int, ttl_s: float, now_s: float, created_s: float,
+               owner: str | None = None, preview: str = "") -> RetainedPrefix | None:
+        """Hold the cached full blocks ``block_ids`` (a prefix whose chain is ``block_hashes``)
+        until ``now_s + ttl_s``; the same prefix retained again is refreshed instead.
+
+        Older retained prefixes decay, least recently used first, until the budget has room;
+        pins are never displaced.
+
+        Returns:
+            The retained prefix, or None when even without any retention the pins leave no room
+            for it (nothing changes then: the blocks stay ordinary cached blocks).
+        """
+        if not block_ids or len(block_ids) != len(block_hashes):
+            raise ValueError("a retained prefix is one or more whole blocks, each with its hash")
+        existing = self.retained.get(block_hashes[-1])
+        if existing is not None:
+            existing.refresh(now_s, ttl_s)
+            return existing
+        beyond_pins = {b for b in block_ids if b not in self._holders}
+        if self.num_pinned_blocks + len(beyond_pins) > self.max_pinned_blocks:
+            return None
+        self._fit_retention(beyond_pins)
+        prefix = RetainedPrefix(list(block_ids), list(block_hashes), num_tokens, ttl_s,
+                                now_s + ttl_s, now_s, created_s, owner, preview=preview)
+        self.retained.add(prefix)
+        return prefix
+
+    def release_retained(self, key: BlockHash) -> RetainedPrefix:
+        """Let a retained prefix decay to LRU now (its TTL passed)."""
+        return self.retained.remove(key)
+
+    def _fit_retention(self, wanted: set[int]) -> None:
+        """Decay retained prefixes, least recently used first, until the blocks of ``wanted``
+        that nothing holds yet fit the budget too (pins alone always fit: they were checked on
+        their own, and so was ``wanted`` beside them)."""
+        while self.num_held_blocks + sum(1 for b in wanted if not self.retained.holds(b) and (
+                b not in self._holders)) > self.max_pinned_blocks:
+            oldest = self.retained.oldest()
+            if oldest is None:
+                return
+            self.retained.remove(oldest.key)
+            self.num_retained_displaced += 1

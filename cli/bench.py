@@ -80,6 +80,9 @@ def _concurrency(ctx: click.Context, param: click.Parameter, value: str) -> tupl
               "[default: the baseline model's, else agentd's default model's].")
 @click.option("--daemon-pid", type=int, default=None,
               help="Pid whose peak RSS to report, when the server does not tell its own.")
+@click.option("--api", type=click.Choice(["chat", "responses", "messages"]), default="chat",
+              show_default=True, help="The wire the requests use: chat completions, the "
+              "Responses API (/v1/responses) or the Anthropic Messages API (/v1/messages).")
 @click.option("--openai-compatible", is_flag=True,
               help="Treat the server as a generic OpenAI server even if it is agentd (no pins, "
               "no cache salts, no /v1/stats).")
@@ -143,7 +146,7 @@ def _bench_options(opts: dict[str, Any]) -> Any:
         prompt_tokens=None if opts["full_prompts"] else opts["prompt_tokens"],
         settings=settings, tokenizer=opts["tokenizer"], force_openai=opts["openai_compatible"],
         daemon_pid=opts["daemon_pid"], baseline=opts["baseline"],
-        baseline_model=opts["baseline_model"],
+        baseline_model=opts["baseline_model"], api=opts["api"],
     )
 
 

@@ -61,7 +61,8 @@ def _option(name: str, **kwargs: Any) -> Any:
 @_option("--max-model-len", default=None, type=int,
          help="Context length [default: what the model and pool allow].")
 @_option("--max-pinned-fraction", default=_DEFAULTS["max_pinned_fraction"], type=float,
-         help="Most of the pool that pinned prefixes may hold.")
+         help="Most of the pool that pins and retained prefixes (cache control) may hold "
+              "together; pins come first.")
 @_option("--device", default=_DEFAULTS["device"], metavar="auto|cpu|cuda[:N]",
          help="Where the model runs.")
 @_option("--dtype", default=_DEFAULTS["dtype"],
@@ -132,6 +133,11 @@ def _option(name: str, **kwargs: Any) -> Any:
 @_option("--cors-origin", multiple=True,
          help="Origin (e.g. http://localhost:3000) whose web pages may call the API; repeat or "
               "comma-separate [default: none].")
+@_option("--response-store-size", default=1024, type=click.IntRange(min=0),
+         help="Responses kept per API key for GET /v1/responses/{id} and previous_response_id "
+              "(the oldest go first; 0 keeps none).")
+@_option("--response-store-ttl", default="1h",
+         help="How long a stored response is kept after its last use.")
 @_option("--shutdown-grace", default="10s",
          help="How long in-flight requests may run on after a stop before they are aborted.")
 @click.option("--log-file", hidden=True, default=None,
@@ -222,6 +228,8 @@ def server_settings(params: dict[str, Any], state_dir: Path | None = None) -> An
             allowed_hosts=_list(params["allowed_hosts"]),
             cors_origins=_list(params["cors_origin"]),
             read_timeout_s=parse_duration(params["read_timeout"]),
+            response_store_size=params["response_store_size"],
+            response_store_ttl_s=parse_duration(params["response_store_ttl"]),
         )
     except ValueError as exc:
         raise click.ClickException(f"{exc} (see `agentd start --help`)") from None

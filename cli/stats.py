@@ -1,5 +1,7 @@
 """``agentd stats``: prefix-cache hit rate (overall and per pin), TTFT of hits vs misses, pool
-blocks, throughput and near misses, as rich tables, JSON, or a live view (``--watch``).
+blocks, throughput, prefixes retained by cache control, and near misses, as rich tables, JSON, or
+a live view (``--watch``); ``--by-key``: hit rates per ``prompt_cache_key`` (the conversation or
+agent a client names).
 
 Invariant: read-only (``GET /v1/stats``, which answers from snapshots, so watching never slows
 the engine); ``--watch`` runs until Ctrl-C and then exits 0.
@@ -18,34 +20,39 @@ from agentd.cli.pins import compact_table, short_duration
 from agentd.cli.status import format_duration
 
 NUM_NEAR_MISSES_SHOWN = 5
+NUM_RETAINED_SHOWN = 10
 
 
 @click.command()
 @click.option("--json", "as_json", is_flag=True, help="Print /v1/stats as JSON.")
+@click.option("--by-key", is_flag=True,
+              help="Hit rates per prompt_cache_key (Anthropic: metadata.user_id) instead.")
 @click.option("--watch", type=click.FloatRange(min=0.2), is_flag=False, flag_value=2.0,
               default=None, metavar="[SECONDS]",
               help="Refresh every SECONDS (default 2) until Ctrl-C.")
 @url_option
-def command(as_json: bool, watch: float | None, url: str) -> None:
+def command(as_json: bool, by_key: bool, watch: float | None, url: str) -> None:
     """Show cache hit rates, TTFT of hits vs misses, pool blocks, tokens/s and near misses."""
     client = DaemonClient(url)
+    view = render_by_key if by_key else render
     if as_json:
-        click.echo(json.dumps(client.json("GET", "/v1/stats"), indent=2))
+        stats = client.json("GET", "/v1/stats")
+        click.echo(json.dumps(stats.get("by_key", []) if by_key else stats, indent=2))
         return
     from rich.console import Console
 
     console = Console()
     if watch is None:
-        console.print(render(client.json("GET", "/v1/stats")))
+        console.print(view(client.json("GET", "/v1/stats")))
         return
     from rich.live import Live
 
     try:
-        with Live(render(client.json("GET", "/v1/stats")), console=console,
+        with Live(view(client.json("GET", "/v1/stats")), console=console,
                   auto_refresh=False) as live:
             while True:
                 time.sleep(watch)
-                live.update(render(client.json("GET", "/v1/stats")), refresh=True)
+                live.update(view(client.json("GET", "/v1/stats")), refresh=True)
     except KeyboardInterrupt:
         pass
 
@@ -57,12 +64,32 @@ def render(s: dict[str, Any]) -> Any:
     parts = [_overview(s), _ttft(s["ttft"])]
     if s["pins"]:
         parts.append(_pins(s["pins"]))
+    if s.get("retained"):
+        parts.append(_retained(s["retained"]))
     near = s["near_misses"]
     if near["top"]:
         parts.append(_near_misses(near))
+    if s.get("prompt_near_misses", {}).get("top"):
+        parts.append(_prompt_near_misses(s["prompt_near_misses"]))
     if s.get("pin_restore"):
         parts.append(_restore(s["pin_restore"]))
     return Group(*parts)
+
+
+def render_by_key(s: dict[str, Any]) -> Any:
+    """One row per ``prompt_cache_key``: requests, hits and the share of prompt tokens cached."""
+    rows = s.get("by_key", [])
+    tenants = any(row["tenant"] for row in rows)
+    table = compact_table("cache by prompt_cache_key", "key", [
+        *(["tenant"] if tenants else []), "requests", "hits", "prompt\ntokens",
+        "cached\ntokens", "hit rate"], caption_justify="left",
+        caption="hits: requests with any cached prompt token; send prompt_cache_key (OpenAI) or "
+                "metadata.user_id (Anthropic) to be counted here" if not rows else None)
+    for row in rows:
+        table.add_row(row["key"], *([(row["tenant"] or "-")[:8]] if tenants else []),
+                      str(row["requests"]), str(row["hits"]), str(row["prompt_tokens"]),
+                      str(row["cached_tokens"]), _pct(row["hit_rate"]))
+    return table
 
 
 def _overview(s: dict[str, Any]) -> Any:
@@ -76,9 +103,10 @@ def _overview(s: dict[str, Any]) -> Any:
     queries, hits = s["prefix_cache_queries"], s["prefix_cache_hits"]
     rate = s.get("prefix_cache_hit_rate")
     table.add_row("prefix cache", f"{_pct(rate)} of prompt tokens hit ({hits} of {queries})")
-    pinned = s["num_blocks_pinned"]
+    pinned, retained = s["num_blocks_pinned"], s.get("num_blocks_retained", 0)
     table.add_row("pool blocks", f"{s['num_blocks_free']} free, {s['num_blocks_cached']} cached, "
-                                 f"{pinned} pinned, {s['num_blocks_used'] - pinned} in use "
+                                 f"{pinned} pinned, {retained} retained, "
+                                 f"{s['num_blocks_used'] - pinned - retained} in use "
                                  f"(of {s['num_blocks_total']})")
     table.add_row("requests", f"{s['num_requests_running']} running, "
                               f"{s['num_requests_waiting']} waiting, "
@@ -115,6 +143,23 @@ def _pins(pins: list[dict[str, Any]]) -> Any:
     return table
 
 
+def _retained(retained: list[dict[str, Any]]) -> Any:
+    from rich.markup import escape
+
+    table = compact_table(f"retained prefixes ({len(retained)}): kept by cache control "
+                          "(cache_control, prompt_cache_options, prompt_cache_retention)",
+                          "ends with", ["tokens", "blocks", "hits", "cached\ntokens", "TTL",
+                                        "TTL left"],
+                          caption_justify="left",
+                          caption="each hit refreshes its TTL; over the pin budget the least "
+                                  "recently used decays first; pins are never displaced")
+    for r in retained[:NUM_RETAINED_SHOWN]:
+        table.add_row(escape(r["ends_with"]), str(r["num_tokens"]), str(r["num_blocks"]),
+                      str(r["hits"]), str(r["tokens_served"]), short_duration(r["ttl"]),
+                      short_duration(r["ttl_left_s"]))
+    return table
+
+
 def _near_misses(near: dict[str, Any]) -> Any:
     from rich.console import Group
     from rich.markup import escape
@@ -133,6 +178,31 @@ def _near_misses(near: dict[str, Any]) -> Any:
     for miss in near["recent"][:NUM_NEAR_MISSES_SHOWN]:
         latest.add_row(miss["pin"], f"{miss['divergence_token']} / {miss['pin_num_tokens']}",
                        escape(miss["pin_text"]), escape(miss["request_text"]))
+    return Group(top, latest)
+
+
+def _prompt_near_misses(near: dict[str, Any]) -> Any:
+    """Cache-busters between a client's own requests, by prompt_cache_key, with the span that
+    varies and the client setting that turns it off, when the client is known."""
+    from rich.console import Group
+    from rich.markup import escape
+    from rich.table import Table
+
+    top = Table(title=f"cache-busters ({near['total']}): requests equal to an earlier one of "
+                      "their prompt_cache_key but for a short span", title_justify="left")
+    for column in ("prompt_cache_key", "likely cause", "count"):
+        top.add_column(column, justify="right" if column == "count" else "left")
+    for row in near["top"]:
+        top.add_row(escape(row["key"] or "(none)"), escape(row["cause"]), str(row["count"]))
+    latest = Table(title="latest: the span that varies (⟦this request⟧ vs ⟦the earlier one⟧)",
+                   title_justify="left")
+    for column in ("key", "at token", "span", "tokens lost", "fix"):
+        latest.add_column(column, justify="right" if column in ("at token", "tokens lost")
+                          else "left")
+    for miss in near["recent"][:NUM_NEAR_MISSES_SHOWN]:
+        span = f"{miss['before'][-24:]}⟦{miss['new_span']}⟧ vs ⟦{miss['old_span']}⟧"
+        latest.add_row(escape(miss["key"] or "(none)"), str(miss["at_token"]), escape(span),
+                       str(miss["num_tokens_lost"]), escape(miss["fix"] or "-"))
     return Group(top, latest)
 
 

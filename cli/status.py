@@ -82,7 +82,8 @@ def _stats_rows(table: Any, s: dict[str, Any]) -> None:
         table.add_row("threads", threads_note(s["num_threads"], s["num_threads_default"]))
     table.add_row("pool", f"{s['num_blocks_used']} / {total} blocks in use "
                           f"({100 * s['kv_cache_usage']:.1f}%; {s['num_blocks_pinned']} of them "
-                          f"pinned), {s['num_blocks_cached']} cached, {s['num_blocks_free']} free")
+                          f"pinned, {s.get('num_blocks_retained', 0)} retained), "
+                          f"{s['num_blocks_cached']} cached, {s['num_blocks_free']} free")
     if s.get("num_pins"):
         table.add_row("pins", f"{s['num_pins']} (see `agentd pins` and `agentd stats`)")
     table.add_row("requests", f"{s['num_requests_running']} running, "

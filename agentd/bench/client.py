@@ -1,4 +1,5 @@
-"""Streaming OpenAI calls for the benchmark, and what the server is (agentd or another one).
+"""Streaming OpenAI calls for the benchmark (chat completions, or with ``api`` the Responses or
+Messages wire: ``agentd.bench.wires``), and what the server is (agentd or another one).
 
 TTFT is the time from sending a request to the first chunk that carries content or a tool call
 (the role chunk a server sends at once does not count). Output tokens and cached prompt tokens
@@ -22,6 +23,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from agentd.bench.wires import PATHS, Usage, build_body, read_event
 from agentd.bench.workload import Message, Namespace
 
 
@@ -66,8 +68,10 @@ def is_local(url: str) -> bool:
 
 
 class BenchClient:
-    def __init__(self, url: str, api_key: str | None, timeout_s: float = 1800.0) -> None:
+    def __init__(self, url: str, api_key: str | None, timeout_s: float = 1800.0,
+                 api: str = "chat") -> None:
         self.root_url, self.base_url = split_url(url)
+        self.api = api  # the wire: chat, responses or messages (agentd.bench.wires)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         timeout = httpx.Timeout(timeout_s, connect=10.0)
         self._http = httpx.AsyncClient(headers=headers, timeout=timeout, trust_env=False,
@@ -143,13 +147,9 @@ class BenchClient:
     async def chat(self, phase: str, model: str, messages: list[Message],
                    tools: list[dict[str, Any]], namespace: Namespace,
                    max_tokens: int) -> RequestResult:
-        """One streamed chat completion, greedy, measured."""
-        body: dict[str, Any] = {
-            "model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0,
-            "stream": True, "stream_options": {"include_usage": True},
-        }
-        if tools:
-            body["tools"] = tools
+        """One streamed request on the client's wire (a chat completion by default), greedy,
+        measured."""
+        body = build_body(self.api, model, messages, tools, max_tokens)
         if namespace.salt is not None:
             body["cache_salt"] = namespace.salt
         if self.send_ignore_eos:
@@ -169,10 +169,10 @@ class BenchClient:
     async def _stream(self, phase: str, body: dict[str, Any]) -> RequestResult:
         start = time.perf_counter()
         ttft: float | None = None
-        usage: dict[str, Any] = {}
+        usage = Usage()
         num_chunks = 0
         try:
-            async with self._http.stream("POST", self.base_url + "/chat/completions",
+            async with self._http.stream("POST", self.base_url + PATHS[self.api],
                                          json=body) as reply:
                 if reply.status_code == 400:
                     raise _Rejected(error_message(reply, await reply.aread()))
@@ -182,13 +182,11 @@ class BenchClient:
                 async for line in reply.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
-                    chunk = json.loads(line[len("data: "):])
-                    if "error" in chunk:
-                        raise BenchError(f"{phase} request failed mid-stream: {chunk['error']}")
-                    usage = chunk.get("usage") or usage
-                    choices = chunk.get("choices") or [{}]
-                    delta = choices[0].get("delta") or {}
-                    if delta.get("content") or delta.get("tool_calls"):
+                    try:
+                        content = read_event(self.api, json.loads(line[len("data: "):]), usage)
+                    except ValueError as exc:
+                        raise BenchError(f"{phase} request failed mid-stream: {exc}") from exc
+                    if content:
                         num_chunks += 1
                         if ttft is None:
                             ttft = time.perf_counter() - start
@@ -196,13 +194,12 @@ class BenchClient:
             raise BenchError(f"nothing answers at {self.root_url} any more") from exc
         except httpx.TransportError as exc:
             raise BenchError(f"{phase} request failed: {exc!r}") from exc
-        details = usage.get("prompt_tokens_details") or {}
-        cached = details.get("cached_tokens")
+        cached = usage.cached_tokens
         return RequestResult(phase=phase, ttft_s=ttft, e2e_s=time.perf_counter() - start,
-                             prompt_tokens=usage.get("prompt_tokens", 0),
+                             prompt_tokens=usage.prompt_tokens,
                              cached_tokens=int(cached) if cached is not None else None,
-                             output_tokens=usage.get("completion_tokens", num_chunks),
-                             start_s=start)
+                             output_tokens=usage.output_tokens if usage.output_tokens is not None
+                             else num_chunks, start_s=start)
 
 
 class _Rejected(Exception):

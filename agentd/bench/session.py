@@ -47,6 +47,7 @@ class BenchOptions:
     daemon_pid: int | None = None
     baseline: str | None = None  # "hf"
     baseline_model: str | None = None
+    api: str = "chat"  # the wire the requests use: chat, responses or messages
 
 
 @dataclass
@@ -99,7 +100,7 @@ def run_bench(options: BenchOptions, progress: Progress) -> BenchRun:
 async def _run_server(options: BenchOptions,
                       progress: Progress) -> tuple[ServerInfo, list[WorkloadResult]]:
     _cancel_on_sigterm()
-    client = BenchClient(options.url, options.api_key)
+    client = BenchClient(options.url, options.api_key, api=options.api)
     try:
         server = await client.detect(options.model, options.force_openai)  # fail fast
         tokenizer = load_tokenizer_for(options)

@@ -26,8 +26,10 @@ from agentd.config import EngineConfig
 from agentd.server.errors import EXCEPTION_HANDLERS
 from agentd.server.local_token import TOKEN_HEADER
 from agentd.server.routes_admin import AdminController, health, metrics
+from agentd.server.routes_anthropic import MessagesController
 from agentd.server.routes_openai import OpenAIController
 from agentd.server.routes_pins import PinsController
+from agentd.server.routes_responses import ResponsesController
 from agentd.server.state import ServerSettings, ServerState, count_arrivals
 from agentd.server.web_guard import web_guard
 
@@ -67,10 +69,12 @@ def create_app(config: EngineConfig, *, engine: AsyncEngine | None = None,
             yield
         finally:
             expiry.cancel()
+            server.responses.clear()  # an engine that outlives the app keeps no tail of ours
             await asyncio.to_thread(server.close)
 
     return Litestar(
-        route_handlers=[OpenAIController, PinsController, AdminController, health, metrics],
+        route_handlers=[OpenAIController, ResponsesController, MessagesController,
+                        PinsController, AdminController, health, metrics],
         # web_guard first: a request arrives (count_arrivals) once its body is whole
         middleware=[partial(web_guard, server=server), partial(count_arrivals, server=server)],
         cors_config=_cors(settings.cors_origins),
@@ -92,5 +96,6 @@ def _cors(origins: tuple[str, ...]) -> CORSConfig | None:
     if not origins:
         return None
     return CORSConfig(allow_origins=list(origins), allow_methods=["GET", "POST", "DELETE"],
-                      allow_headers=["authorization", "content-type", TOKEN_HEADER],
+                      allow_headers=["authorization", "content-type", "x-api-key",
+                                     "anthropic-version", TOKEN_HEADER],
                       expose_headers=["retry-after"], max_age=600)

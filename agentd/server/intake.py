@@ -73,7 +73,7 @@ def check_chat_size(req: ChatCompletionRequest, tokenizer: Any, max_model_len: i
             num_chars += len(content)
         elif isinstance(content, list):
             num_chars += sum(len(part.text or "") for part in content)
-    _check_chars(num_chars, tokenizer, max_model_len, "messages")
+    check_chars(num_chars, tokenizer, max_model_len, "messages")
 
 
 def check_completion_size(req: CompletionRequest, tokenizer: Any, max_model_len: int) -> None:
@@ -82,14 +82,26 @@ def check_completion_size(req: CompletionRequest, tokenizer: Any, max_model_len:
     if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        _check_chars(len(prompt), tokenizer, max_model_len, "prompt")
+        check_chars(len(prompt), tokenizer, max_model_len, "prompt")
     elif isinstance(prompt, list) and len(prompt) >= max_model_len:
         raise _Invalid(f"the prompt is {len(prompt)} tokens, but the model's context length "
                        f"(max_model_len) is {max_model_len} tokens; shorten the prompt",
                        "prompt", code="context_length_exceeded")
 
 
-def _check_chars(num_chars: int, tokenizer: Any, max_model_len: int, param: str) -> None:
+def text_chars(value: Any, keys: tuple[str, ...]) -> int:
+    """Characters of the text a JSON value holds: strings, in lists, and under ``keys`` of
+    objects (a wire's text fields: messages, tool arguments and results)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list):
+        return sum(text_chars(item, keys) for item in value)
+    if isinstance(value, dict):
+        return sum(text_chars(value[key], keys) for key in keys if key in value)
+    return 0
+
+
+def check_chars(num_chars: int, tokenizer: Any, max_model_len: int, param: str) -> None:
     min_tokens = -(-num_chars // max_token_chars(tokenizer))
     if min_tokens >= max_model_len:
         raise _Invalid(

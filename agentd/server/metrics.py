@@ -84,8 +84,10 @@ class _EngineCollector:
         for state, field in _BLOCK_STATES:
             blocks.add_metric([model_name, state], getattr(stats, field))
         blocks.add_metric([model_name, "pinned"], stats.num_blocks_pinned)
+        blocks.add_metric([model_name, "retained"], stats.num_blocks_retained)
         yield blocks
         yield from _pin_families(model_name, snapshot.pins)
+        yield from _retained_families(model_name, stats, snapshot.pins)
 
 
 def _pin_families(model_name: str, summary: PinSummary) -> Iterator[Metric]:
@@ -107,6 +109,48 @@ def _pin_families(model_name: str, summary: PinSummary) -> Iterator[Metric]:
     for c in summary.near_miss_counts:
         near.add_metric([model_name, c.pin, c.owner or "", c.cause], c.count)
     yield from (hits, served, blocks, near)
+
+
+def _retained_families(model_name: str, stats: EngineStats,
+                       summary: PinSummary) -> Iterator[Metric]:
+    """Prefixes retained by cache control, summed per tenant (they have no names, and come and
+    go too often to be labels); the blocks they hold (shared ones once); expiries and budget
+    displacements since the start."""
+    labels = ["model_name", "owner"]
+    families = {
+        "num": GaugeMetricFamily("agentd:retained_prefixes",
+                                 "Prefixes held by cache control (retention) now.", labels=labels),
+        "hits": GaugeMetricFamily("agentd:retained_hits",
+                                  "Requests that hit a retained prefix now held, whole.",
+                                  labels=labels),
+        "ttl": GaugeMetricFamily("agentd:retained_min_ttl_left_seconds",
+                                 "Seconds until the next retained prefix expires.", labels=labels),
+    }
+    now_s = time.monotonic()
+    by_owner: dict[str, list[float]] = {}
+    for r in summary.retained:
+        row = by_owner.setdefault(r.owner or "", [0, 0, float("inf")])
+        row[0] += 1
+        row[1] += r.num_hits
+        row[2] = min(row[2], max(r.expires_s - now_s, 0.0))
+    for owner, row in by_owner.items():
+        for family, value in zip(families.values(), row, strict=True):
+            family.add_metric([model_name, owner], value)
+    yield from families.values()
+    blocks = GaugeMetricFamily("agentd:retained_blocks",
+                               "KV blocks held by retained prefixes and by no pin, now.",
+                               labels=["model_name"])
+    blocks.add_metric([model_name], stats.num_blocks_retained)
+    yield blocks
+    for name, doc, value in (
+            ("agentd:retained_expired", "Retained prefixes that decayed at their TTL.",
+             stats.num_retained_expired),
+            ("agentd:retained_displaced",
+             "Retained prefixes decayed early to make room in the pin budget.",
+             stats.num_retained_displaced)):
+        family = CounterMetricFamily(name, doc, labels=["model_name"])
+        family.add_metric([model_name], value)
+        yield family
 
 
 class ServerMetrics:

@@ -22,7 +22,7 @@ MAX_STOP_SEQUENCES = 4
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what a torch generator accepts
 TOOL_CHOICE_STRINGS = ("none", "auto", "required")
 ROLES = ("system", "developer", "user", "assistant", "tool")
-_FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+FUNCTION_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _MSGSPEC_PATH = re.compile(r" - at `\$\.?(.*)`$")
 
 
@@ -78,6 +78,14 @@ class ToolChoiceNamed(msgspec.Struct, kw_only=True):
 
 class StreamOptions(msgspec.Struct, kw_only=True):
     include_usage: bool = False
+
+
+class PromptCacheOptions(msgspec.Struct, kw_only=True):
+    """OpenAI's ``prompt_cache_options``: ``mode`` "implicit" (the default: the prompt is one
+    breakpoint) or "explicit" (only marked breakpoints), ``ttl`` "30m" or "12h"."""
+
+    mode: str | None = None
+    ttl: str | None = None
 
 
 class JSONSchemaFormat(msgspec.Struct, kw_only=True):
@@ -142,6 +150,9 @@ class ChatCompletionRequest(ConstraintFields, kw_only=True):
     user: str | None = None
     ignore_eos: bool = False  # vLLM extension
     cache_salt: str | None = None  # vLLM extension
+    prompt_cache_key: str | None = None  # names a conversation or agent: stats by key
+    prompt_cache_retention: str | None = None  # "in_memory" | "24h": keep the prompt cached
+    prompt_cache_options: PromptCacheOptions | None = None
 
 
 class CompletionRequest(ConstraintFields, kw_only=True):
@@ -174,6 +185,8 @@ class CompletionRequest(ConstraintFields, kw_only=True):
 
 class PromptTokensDetails(msgspec.Struct, kw_only=True):
     cached_tokens: int = 0
+    # prompt tokens computed and retained for a request that asked to retain its prefix
+    cache_write_tokens: int | UnsetType = UNSET
 
 
 class Usage(msgspec.Struct, kw_only=True):
@@ -354,7 +367,7 @@ def validate_chat_request(req: ChatCompletionRequest, max_model_len: int) -> Non
     for i, message in enumerate(req.messages):
         _check_message(message, f"messages[{i}]")
     if req.max_completion_tokens is not None:
-        _check_max_tokens(req.max_completion_tokens, "max_completion_tokens", max_model_len)
+        check_max_tokens(req.max_completion_tokens, "max_completion_tokens", max_model_len)
     if req.logprobs:
         raise RequestValidationError(
             "logprobs is not supported; omit it or set it to false", "logprobs"
@@ -376,22 +389,23 @@ def validate_completion_request(req: CompletionRequest, max_model_len: int) -> N
     _check_sampling(req, max_model_len)
 
 
-def validate_prompt_len(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+def validate_prompt_len(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
+                        param: str = "messages", max_tokens_param: str = "max_tokens") -> None:
     """Reject a rendered prompt that leaves no room, or too little room, to generate: a 400 with
     OpenAI's code ``context_length_exceeded`` that names both numbers (what SDKs and agent
     frameworks look for to trim a conversation)."""
     if num_prompt_tokens >= max_model_len:
         raise RequestValidationError(
             f"the prompt is {num_prompt_tokens} tokens, but the model's context length "
-            f"(max_model_len) is {max_model_len} tokens; shorten the messages",
-            "messages",
+            f"(max_model_len) is {max_model_len} tokens; shorten the {param}",
+            param,
             code="context_length_exceeded",
         )
     if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
         raise RequestValidationError(
-            f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({max_tokens}) exceeds "
-            f"max_model_len ({max_model_len}); lower max_tokens",
-            "max_tokens",
+            f"the prompt ({num_prompt_tokens} tokens) plus {max_tokens_param} ({max_tokens}) "
+            f"exceeds max_model_len ({max_model_len}); lower {max_tokens_param}",
+            max_tokens_param,
             code="context_length_exceeded",
         )
 
@@ -432,7 +446,7 @@ def _check_message(message: ChatMessage, where: str) -> None:
             )
 
 
-def _check_max_tokens(value: int, name: str, max_model_len: int) -> None:
+def check_max_tokens(value: int, name: str, max_model_len: int) -> None:
     if value <= 0:
         raise RequestValidationError(f"{name} must be at least 1, got {value}", name)
     if value > max_model_len:
@@ -441,7 +455,7 @@ def _check_max_tokens(value: int, name: str, max_model_len: int) -> None:
         )
 
 
-def _check_range(
+def check_range(
     value: float | None, name: str, low: float, high: float, low_open: bool = False
 ) -> None:
     if value is None:
@@ -458,11 +472,11 @@ def _check_sampling(req: ChatCompletionRequest | CompletionRequest, max_model_le
             f"n must be 1 (only one choice is supported), got {req.n}", "n"
         )
     if req.max_tokens is not None:
-        _check_max_tokens(req.max_tokens, "max_tokens", max_model_len)
-    _check_range(req.temperature, "temperature", 0.0, 2.0)
-    _check_range(req.top_p, "top_p", 0.0, 1.0, low_open=True)
-    _check_range(req.presence_penalty, "presence_penalty", -2.0, 2.0)
-    _check_range(req.frequency_penalty, "frequency_penalty", -2.0, 2.0)
+        check_max_tokens(req.max_tokens, "max_tokens", max_model_len)
+    check_range(req.temperature, "temperature", 0.0, 2.0)
+    check_range(req.top_p, "top_p", 0.0, 1.0, low_open=True)
+    check_range(req.presence_penalty, "presence_penalty", -2.0, 2.0)
+    check_range(req.frequency_penalty, "frequency_penalty", -2.0, 2.0)
     if req.seed is not None and not SEED_MIN <= req.seed <= SEED_MAX:
         raise RequestValidationError(
             f"seed must be a 64-bit integer in [{SEED_MIN}, {SEED_MAX}], got {req.seed}", "seed"
@@ -491,7 +505,7 @@ def _check_tools(tools: list[Tool]) -> list[str]:
                 f"{where}.type must be 'function', got {tool.type!r}", f"{where}.type"
             )
         name = tool.function.name
-        if not _FUNCTION_NAME.match(name):
+        if not FUNCTION_NAME.match(name):
             raise RequestValidationError(
                 f"{where}.function.name must be 1-64 characters of a-z, A-Z, 0-9, '_' or '-', "
                 f"got {name!r}",
@@ -502,12 +516,12 @@ def _check_tools(tools: list[Tool]) -> list[str]:
                 f"{where}.function.name {name!r} is used by more than one tool",
                 f"{where}.function.name",
             )
-        _check_parameters(tool.function.parameters, f"{where}.function.parameters")
+        check_parameters(tool.function.parameters, f"{where}.function.parameters")
         names.append(name)
     return names
 
 
-def _check_parameters(parameters: dict[str, Any] | None, where: str) -> None:
+def check_parameters(parameters: dict[str, Any] | None, where: str) -> None:
     if parameters is None:
         return
     if parameters.get("type", "object") != "object":

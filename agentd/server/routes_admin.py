@@ -42,6 +42,12 @@ def _num_threads() -> int:
     return torch.get_num_threads()
 
 
+def _prompt_near_misses(server: Any) -> dict[str, Any]:
+    """Cache-busters found between a client's own prompts, by ``prompt_cache_key``."""
+    history = server.prompt_history
+    return history.report() if history is not None else {"total": 0, "top": [], "recent": []}
+
+
 @get("/metrics", summary="Prometheus metrics (vLLM names)", tags=["Admin"], sync_to_thread=False,
      guards=[require_metrics_access])
 def metrics(state: State) -> Response[bytes]:
@@ -71,13 +77,15 @@ class AdminController(Controller):
             "num_threads_default": server.config.num_threads is None,
             **stats_report(engine.stats(), engine.pin_summary(), server.metrics.recent,
                            pins.restore_report, pins.last_persist_error),
+            "by_key": server.key_stats.report(),
+            "prompt_near_misses": _prompt_near_misses(server),
         }
 
     @get("/admin/integrity", summary="Check the KV block pool's invariants (debugging)")
     async def integrity(self, state: State) -> dict[str, Any]:
         """Runs ``check_integrity()`` and a reference audit on the engine thread between steps:
-        ``ok`` false names the first violation. Idle means ``num_blocks_used == num_blocks_pinned``
-        and no requests or streams."""
+        ``ok`` false names the first violation. Idle means no requests or streams and
+        ``num_blocks_used == num_blocks_pinned + num_blocks_retained``."""
         engine = server_of(state).require_engine()
         return dataclasses.asdict(await engine.check_integrity())
 

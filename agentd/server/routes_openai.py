@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from functools import partial
 from typing import Annotated, Any
 
 from litestar import Controller, Request, get, post
@@ -20,7 +19,6 @@ from litestar.openapi import ResponseSpec
 from litestar.params import Body
 from litestar.response import Stream
 
-from agentd.server.constraints import compile_constraint
 from agentd.server.intake import check_chat_size, check_completion_size
 from agentd.server.protocol import (
     ChatCompletion,
@@ -31,24 +29,21 @@ from agentd.server.protocol import (
     ModelCard,
     ModelList,
 )
-from agentd.server.serving import (
-    effective_cache_salt,
-    event_stream,
-    submit,
-    until_disconnect,
-)
+from agentd.server.serving import event_stream, until_disconnect
 from agentd.server.serving_chat import complete_chat, plan_chat, stream_chat
 from agentd.server.serving_completion import complete_text, plan_completion, stream_text
-from agentd.server.state import cache_tenant, require_api_key, server_of
+from agentd.server.state import require_api_key, server_of
+from agentd.server.wires.plan import start
 
 _STREAM_NOTE = ("With `stream: true` the reply is `text/event-stream`: `data: {chunk}` events "
                 "and a final `data: [DONE]`.")
 
-_ERRORS = {status: ResponseSpec(data_container=ErrorResponse, description=description)
-           for status, description in (
-               (400, "Bad request (OpenAI error envelope)"), (401, "Missing or wrong API key"),
-               (404, "Unknown model"), (413, "Request body too large"),
-               (503, "Model loading, server busy (see Retry-After) or shutting down"))}
+ERROR_RESPONSES = {
+    status: ResponseSpec(data_container=ErrorResponse, description=description)
+    for status, description in (
+        (400, "Bad request (OpenAI error envelope)"), (401, "Missing or wrong API key"),
+        (404, "Unknown model"), (413, "Request body too large"),
+        (503, "Model loading, server busy (see Retry-After) or shutting down"))}
 ChatBody = Annotated[ChatCompletionRequest, Body(description="An OpenAI chat request.")]
 CompletionBody = Annotated[CompletionRequest, Body(description="An OpenAI completion request.")]
 
@@ -59,7 +54,7 @@ class OpenAIController(Controller):
     tags = ["OpenAI"]
 
     @post("/chat/completions", status_code=200, summary="Create a chat completion",
-          description=_STREAM_NOTE, responses=_ERRORS)
+          description=_STREAM_NOTE, responses=ERROR_RESPONSES)
     async def chat_completions(self, request: Request[Any, Any, Any],
                                data: ChatBody, state: State) -> ChatCompletion | Stream:
         server = server_of(state)
@@ -68,18 +63,14 @@ class OpenAIController(Controller):
         server.unknown_fields.note(await request.body(), ChatCompletionRequest, request.url.path)
         check_chat_size(data, engine.tokenizer, engine.max_model_len)
         plan = await asyncio.to_thread(plan_chat, data, engine, model, int(time.time()))
-        grammar = await compile_constraint(engine, plan.constraint)
-        on_finish = partial(server.metrics.observe_finished, model)
-        deltas = submit(engine, plan.prompt_token_ids, plan.params, plan.request_id,
-                        effective_cache_salt(cache_tenant(request), plan.cache_salt),
-                        server.max_in_flight(engine), grammar)
-        server.arrived(request.scope)
+        started = await start(request, server, plan)
         if data.stream:
-            return event_stream(stream_chat(plan, deltas, on_finish))
-        return await until_disconnect(request, complete_chat(plan, deltas, on_finish), deltas)
+            return event_stream(stream_chat(plan, started.deltas, started.on_finish))
+        return await until_disconnect(
+            request, complete_chat(plan, started.deltas, started.on_finish), started.deltas)
 
     @post("/completions", status_code=200, summary="Create a text completion",
-          description=_STREAM_NOTE, responses=_ERRORS)
+          description=_STREAM_NOTE, responses=ERROR_RESPONSES)
     async def completions(self, request: Request[Any, Any, Any], data: CompletionBody,
                           state: State) -> Completion | Stream:
         server = server_of(state)
@@ -88,15 +79,11 @@ class OpenAIController(Controller):
         server.unknown_fields.note(await request.body(), CompletionRequest, request.url.path)
         check_completion_size(data, engine.tokenizer, engine.max_model_len)
         plan = await asyncio.to_thread(plan_completion, data, engine, model, int(time.time()))
-        grammar = await compile_constraint(engine, plan.constraint)
-        on_finish = partial(server.metrics.observe_finished, model)
-        deltas = submit(engine, plan.prompt_token_ids, plan.params, plan.request_id,
-                        effective_cache_salt(cache_tenant(request), plan.cache_salt),
-                        server.max_in_flight(engine), grammar)
-        server.arrived(request.scope)
+        started = await start(request, server, plan)
         if data.stream:
-            return event_stream(stream_text(plan, deltas, on_finish))
-        return await until_disconnect(request, complete_text(plan, deltas, on_finish), deltas)
+            return event_stream(stream_text(plan, started.deltas, started.on_finish))
+        return await until_disconnect(
+            request, complete_text(plan, started.deltas, started.on_finish), started.deltas)
 
     @get("/models", summary="List the served model")
     async def models(self, state: State) -> ModelList:

@@ -14,7 +14,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 from litestar import Request
@@ -23,9 +23,13 @@ from litestar.response import Stream
 from agentd.async_engine import AsyncEngine, EngineBusyError, EngineDeadError, RequestStream
 from agentd.outputs import StreamDelta
 from agentd.pins import tenant_salt
+from agentd.retention import HoldRequest
 from agentd.sampling_params import SamplingParams
 from agentd.server.errors import APIError
 from agentd.server.protocol import Usage, error_body
+
+if TYPE_CHECKING:
+    from agentd.server.retention import RetentionRequest
 
 T = TypeVar("T")
 RETRY_AFTER_S = 1
@@ -40,13 +44,18 @@ def new_request_id(prefix: str) -> str:
 
 def submit(engine: AsyncEngine, prompt_token_ids: list[int], params: SamplingParams,
            request_id: str, cache_salt: str | None,
-           max_in_flight: int | None = None, grammar: Any = None) -> RequestStream:
-    """Queue the request (with its compiled output constraint, if any); the engine's at-once
-    rejections become OpenAI errors (503 when ``max_in_flight`` requests are in flight already,
-    with ``Retry-After``)."""
+           max_in_flight: int | None = None, grammar: Any = None,
+           keep_tail: bool = False, retention: RetentionRequest | None = None,
+           owner: str | None = None) -> RequestStream:
+    """Queue the request (with its compiled output constraint, if any, and the prefix to retain,
+    held for ``owner``); the engine's at-once rejections become OpenAI errors (503 when
+    ``max_in_flight`` requests are in flight already, with ``Retry-After``)."""
     try:
+        hold = None
+        if retention is not None and retention.num_tokens > 0:
+            hold = HoldRequest(retention.num_tokens, retention.ttl_s, owner)
         return engine.add_request(prompt_token_ids, params, request_id, cache_salt,
-                                  max_in_flight, grammar)
+                                  max_in_flight, grammar, keep_tail, hold)
     except EngineBusyError as exc:
         raise APIError(503, str(exc), code="server_busy",
                        headers={"Retry-After": str(RETRY_AFTER_S)}) from exc
@@ -90,22 +99,25 @@ def exception_error(exc: BaseException) -> APIError:
 class Collected:
     text: str
     last: StreamDelta
+    token_ids: list[int]  # every output token id, as the engine produced them
 
 
 async def collect(deltas: AsyncIterator[StreamDelta]) -> Collected:
     """Read a request to its end: the whole text and the last delta (usage, finish reason)."""
     pieces: list[str] = []
+    token_ids: list[int] = []
     last: StreamDelta | None = None
     try:
         async for delta in deltas:
             pieces.append(delta.text)
+            token_ids += delta.token_ids
             last = delta
     except (ValueError, RuntimeError) as exc:
         raise exception_error(exc) from exc
     assert last is not None  # the engine always ends a stream with a finished delta
     if last.error is not None:
         raise delta_error(last)
-    return Collected("".join(pieces), last)
+    return Collected("".join(pieces), last, token_ids)
 
 
 async def until_disconnect(request: Request[Any, Any, Any], work: Awaitable[T],

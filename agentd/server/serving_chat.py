@@ -12,18 +12,20 @@ A turn holds one call unless the client sends ``parallel_tool_calls: true`` (Ope
 several): offered another call after the first, small models repeat it until max_tokens —
 SmolLM2 called ``list_dir`` with the same arguments until its 120 tokens ran out — and an agent
 would run each repeat.
+
+Cache fields. ``prompt_cache_retention: "24h"`` and ``prompt_cache_options`` retain the prompt
+(``agentd.server.retention``); the usage then reports ``cache_write_tokens`` beside
+``cached_tokens``. ``prompt_cache_key`` names the conversation or agent for near-miss reports.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator
 
 from agentd.async_engine import AsyncEngine, RequestStream
 from agentd.chat import render_chat
 from agentd.outputs import StreamDelta
-from agentd.sampling_params import SamplingParams
-from agentd.server.constraints import Constraint, output_format, tool_constraint
+from agentd.server.constraints import output_format, tool_constraint
 from agentd.server.errors import APIError
 from agentd.server.protocol import (
     ChatCompletion,
@@ -37,11 +39,13 @@ from agentd.server.protocol import (
     DeltaToolCall,
     FunctionCall,
     ToolCall,
+    Usage,
     to_sampling_params,
     to_template_inputs,
     validate_chat_request,
     validate_prompt_len,
 )
+from agentd.server.retention import cache_usage, openai_retention
 from agentd.server.serving import (
     SSE_DONE,
     collect,
@@ -53,28 +57,12 @@ from agentd.server.serving import (
     usage_of,
 )
 from agentd.server.tool_calls import Piece, ToolCallAssembler, ToolMode
+from agentd.server.wires.plan import OnFinish, Plan
 from agentd.tool_parser import CallStartEvent
-
-OnFinish = Callable[[StreamDelta, str], None]
-
-
-@dataclass(frozen=True)
-class ChatPlan:
-    """Everything needed to run one chat request and shape its reply."""
-
-    request_id: str
-    model: str
-    created: int
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    tool_mode: ToolMode
-    constraint: Constraint | None
-    include_usage: bool
-    cache_salt: str | None
 
 
 def plan_chat(req: ChatCompletionRequest, engine: AsyncEngine, model: str,
-              created: int) -> ChatPlan:
+              created: int) -> Plan:
     """Validate ``req`` and render it to token ids; raises OpenAI-shaped 400 errors."""
     validate_chat_request(req, engine.max_model_len)
     inputs = to_template_inputs(req)
@@ -97,16 +85,18 @@ def plan_chat(req: ChatCompletionRequest, engine: AsyncEngine, model: str,
     if constraint is not None:
         params.structured_outputs = constraint.params
     validate_prompt_len(len(prompt_token_ids), params.max_tokens, engine.max_model_len)
-    return ChatPlan(
+    retention = openai_retention(req.prompt_cache_retention, req.prompt_cache_options,
+                                 len(prompt_token_ids))
+    return Plan(
         request_id=new_request_id("chatcmpl"), model=model, created=created,
         prompt_token_ids=prompt_token_ids, params=params,
         tool_mode=ToolMode.PARSE if tools_on else ToolMode.OFF, constraint=constraint,
         include_usage=bool(req.stream_options and req.stream_options.include_usage),
-        cache_salt=req.cache_salt,
+        cache_salt=req.cache_salt, retention=retention, prompt_cache_key=req.prompt_cache_key,
     )
 
 
-async def complete_chat(plan: ChatPlan, deltas: AsyncIterator[StreamDelta],
+async def complete_chat(plan: Plan, deltas: AsyncIterator[StreamDelta],
                         on_finish: OnFinish) -> ChatCompletion:
     """Collect the whole generation into one ``ChatCompletion``."""
     got = await collect(deltas)
@@ -122,11 +112,11 @@ async def complete_chat(plan: ChatPlan, deltas: AsyncIterator[StreamDelta],
     return ChatCompletion(
         id=plan.request_id, created=plan.created, model=plan.model,
         choices=[ChatCompletionChoice(index=0, message=message, finish_reason=finish_reason)],
-        usage=usage_of(got.last),
+        usage=_usage(plan, got.last),
     )
 
 
-async def stream_chat(plan: ChatPlan, deltas: RequestStream,
+async def stream_chat(plan: Plan, deltas: RequestStream,
                       on_finish: OnFinish) -> AsyncIterator[bytes]:
     """SSE chunks for one submitted generation. Closing this generator early aborts the
     request; so does dropping it unstarted (``RequestStream`` aborts when garbage-collected).
@@ -156,7 +146,7 @@ async def stream_chat(plan: ChatPlan, deltas: RequestStream,
             if plan.include_usage:
                 yield sse(ChatCompletionChunk(id=plan.request_id, created=plan.created,
                                               model=plan.model, choices=[],
-                                              usage=usage_of(last)))
+                                              usage=_usage(plan, last)))
             on_finish(last, finish_reason)
     except APIError as exc:
         yield sse_error(exc)
@@ -165,6 +155,14 @@ async def stream_chat(plan: ChatPlan, deltas: RequestStream,
     finally:
         await deltas.aclose()  # aborts it if unfinished
     yield SSE_DONE
+
+
+def _usage(plan: Plan, last: StreamDelta) -> Usage:
+    """OpenAI's usage; ``cache_write_tokens`` only for a request that asked to retain."""
+    usage = usage_of(last)
+    if plan.retention is not None:
+        usage.prompt_tokens_details.cache_write_tokens = cache_usage(last, plan).creation
+    return usage
 
 
 def _finish_reason(has_calls: bool, last: StreamDelta) -> str:

@@ -25,6 +25,7 @@ from agentd.server.protocol import (
     validate_completion_request,
     validate_prompt_len,
 )
+from agentd.server.retention import RetentionRequest
 from agentd.server.serving import (
     SSE_DONE,
     collect,
@@ -52,6 +53,9 @@ class CompletionPlan:
     include_usage: bool
     cache_salt: str | None
     constraint: Constraint | None
+    prompt_cache_key: str | None = None  # the Plan fields ``wires.plan.start`` reads
+    keep_tail: bool = False
+    retention: RetentionRequest | None = None  # text completions retain nothing
 
 
 def plan_completion(req: CompletionRequest, engine: AsyncEngine, model: str,

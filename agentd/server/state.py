@@ -35,12 +35,15 @@ from litestar.handlers import BaseRouteHandler
 from agentd.config import EngineConfig
 from agentd.server.errors import APIError
 from agentd.server.intake import UnknownFields
+from agentd.server.key_stats import KeyStats
 from agentd.server.local_token import new_token, write_token
 from agentd.server.metrics import EngineSnapshot, ServerMetrics
+from agentd.server.wires.response_store import ResponseStore
 
 if TYPE_CHECKING:
     from agentd.async_engine import AsyncEngine
     from agentd.pin_service import PinService
+    from agentd.server.prompt_history import PromptHistory
 
 logger = logging.getLogger("agentd.server")
 _LOAD_JOIN_TIMEOUT_S = 300.0
@@ -65,6 +68,9 @@ class ServerSettings:
     allowed_hosts: tuple[str, ...] = ()
     cors_origins: tuple[str, ...] = ()
     read_timeout_s: float = 30.0
+    # Responses API: stored responses (per API key) and how long one lives after its last use
+    response_store_size: int = 1024
+    response_store_ttl_s: float = 3600.0
 
     def __post_init__(self) -> None:
         if self.max_request_body_bytes < 1024:
@@ -77,6 +83,8 @@ class ServerSettings:
             raise ValueError(f"max_queue must be >= 0, not {self.max_queue}")
         if self.read_timeout_s <= 0:
             raise ValueError(f"read_timeout_s must be > 0, not {self.read_timeout_s}")
+        if self.response_store_size < 0 or self.response_store_ttl_s <= 0:
+            raise ValueError("response_store_size must be >= 0 and response_store_ttl_s > 0")
 
     @property
     def all_keys(self) -> tuple[str, ...]:
@@ -103,6 +111,7 @@ class ServerState:
         self.engine = engine
         self.owns_engine = engine is None
         self.pins: PinService | None = None
+        self.prompt_history: PromptHistory | None = None  # near misses by prompt_cache_key
         self.load_error: str | None = None
         self.closing = False
         self.started_s = time.monotonic()
@@ -111,6 +120,9 @@ class ServerState:
         self.request_exit: Callable[[int], None] = request_exit or (lambda code: None)
         self.metrics = ServerMetrics(self._stats_snapshot)
         self.unknown_fields = UnknownFields()  # logged once per name
+        self.key_stats = KeyStats()  # by prompt_cache_key
+        self.responses = ResponseStore(settings.response_store_size,
+                                       settings.response_store_ttl_s, self.release_tails)
         self.cli_token = new_token()  # lets `agentd stop` shut down a daemon without keys
         self._loader: threading.Thread | None = None
         self._abort_timer: threading.Timer | None = None
@@ -261,9 +273,28 @@ class ServerState:
                            code="model_not_found")
         return engine.model_name
 
+    def observe_prompt(self, tenant: str | None, key: str | None,
+                       token_ids: list[int]) -> None:
+        """Look for a cache-buster between this prompt and its group's recent ones, in a worker
+        thread (call it after submitting: it never delays the request)."""
+        engine = self.require_engine()
+        if self.prompt_history is None:
+            from agentd.server.prompt_history import PromptHistory
+
+            self.prompt_history = PromptHistory(engine.tokenizer)
+        future = asyncio.get_running_loop().run_in_executor(
+            None, self.prompt_history.observe, tenant, key, token_ids)
+        future.add_done_callback(_log_failure)
+
     def max_in_flight(self, engine: AsyncEngine) -> int:
         """Requests that may be in flight at once: a full batch plus ``max_queue`` waiting."""
         return engine.max_num_seqs + self.settings.max_queue
+
+    def release_tails(self, request_ids: list[str]) -> None:
+        """Stored responses dropped: their engine tails go too."""
+        engine = self.engine
+        if engine is not None and request_ids:
+            engine.release_tails(request_ids)
 
     def _stats_snapshot(self) -> EngineSnapshot | None:
         engine = self.engine
@@ -272,13 +303,19 @@ class ServerState:
         return EngineSnapshot(engine.model_name, engine.stats(), engine.pin_summary())
 
 
+def _log_failure(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        logger.warning("near-miss check failed", exc_info=future.exception())
+
+
 def _abort_margin_s(grace_s: float) -> float:
     """How long before uvicorn's own shutdown timeout our requests are aborted: half of it for
     the engine to end its current step, half for the handlers to send their replies."""
     return min(2.0, grace_s / 2)
 
 
-_SUBMITTING_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+_SUBMITTING_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses",
+                               "/v1/messages"})
 _ARRIVING = "agentd_arriving"
 
 
@@ -309,7 +346,8 @@ def server_of(state: State) -> ServerState:
 
 
 def require_api_key(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
-    """Litestar guard: when API keys are set, ``Authorization: Bearer <key>`` must match one.
+    """Litestar guard: when API keys are set, ``Authorization: Bearer <key>`` (or Anthropic's
+    ``x-api-key: <key>``) must match one.
 
     With per-key caches, a tenant key's id goes to ``connection.state.cache_tenant``; whether the
     key is an operator's goes to ``connection.state.operator``.
@@ -319,11 +357,13 @@ def require_api_key(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRoute
     if not keys:
         return
     scheme, _sep, token = connection.headers.get("authorization", "").partition(" ")
+    if "authorization" not in connection.headers and "x-api-key" in connection.headers:
+        scheme, token = "bearer", connection.headers["x-api-key"]
     given = token.strip().encode()
     matched = [key for key in keys if hmac.compare_digest(given, key.encode())]
     if scheme.lower() != "bearer" or not matched:
         raise APIError(401, "missing or incorrect API key; send 'Authorization: Bearer <key>' "
-                       "with a key given to `agentd start --api-key`",
+                       "(or 'x-api-key: <key>') with a key given to `agentd start --api-key`",
                        headers={"WWW-Authenticate": "Bearer"})
     if settings.per_key_cache and matched[0] not in settings.admin_keys:
         connection.state.cache_tenant = tenant_of(matched[0])

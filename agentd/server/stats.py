@@ -1,5 +1,6 @@
 """What ``GET /v1/stats`` reports beyond the engine's counters: TTFT of cache hits vs misses,
-recent generation throughput, and the pins (hits, tokens served, near misses, restore report).
+recent generation throughput, the pins (hits, tokens served, near misses, restore report) and
+the prefixes retained by cache control (hits, TTL left).
 
 Invariants: the window of recent requests is bounded (``WINDOW_REQUESTS`` entries, and only the
 last ``WINDOW_S`` seconds count for throughput), so memory and the cost of a stats call stay
@@ -98,6 +99,17 @@ def pins_report(summary: PinSummary, now_s: float | None = None) -> list[dict[st
             for p in summary.pins]
 
 
+def retained_report(summary: PinSummary, now_s: float | None = None) -> list[dict[str, Any]]:
+    """Per retained prefix (newest use first): size, hits, tokens served, TTL and TTL left;
+    ``ends_with`` is the text before its end (where its breakpoint fell)."""
+    now_s = now_s if now_s is not None else time.monotonic()
+    return [{"owner": r.owner, "num_tokens": r.num_tokens, "num_blocks": r.num_blocks,
+             "hits": r.num_hits, "tokens_served": r.num_tokens_served, "ttl": r.ttl_s,
+             "ttl_left_s": round(max(r.expires_s - now_s, 0.0), 3),
+             "idle_s": round(now_s - r.last_used_s, 3), "ends_with": r.preview}
+            for r in summary.retained]
+
+
 def near_miss_report(summary: PinSummary) -> dict[str, Any]:
     """The most frequent causes, and the latest near misses (newest first) with their texts."""
     return {
@@ -120,6 +132,7 @@ def stats_report(stats: EngineStats, summary: PinSummary, recent: RecentRequests
         "ttft": recent.ttft(),
         "tokens_per_s": recent.tokens_per_s(),
         "pins": pins_report(summary),
+        "retained": retained_report(summary),
         "near_misses": near_miss_report(summary),
         "pin_restore": restore_report,
         "pin_persist_error": persist_error,

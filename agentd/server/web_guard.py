@@ -32,9 +32,8 @@ from typing import Any
 
 import msgspec
 
-from agentd.server.errors import APIError
+from agentd.server.errors import APIError, error_payload
 from agentd.server.local_token import TOKEN_FILE, TOKEN_HEADER
-from agentd.server.protocol import error_body
 
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 _WILDCARDS = frozenset({"", "0.0.0.0", "::"})
@@ -92,7 +91,7 @@ def web_guard(app: Any, *, server: Any) -> Any:
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         if not host_allowed(headers.get("host"), settings.bind_host, settings.allowed_hosts):
             name = _host_name(headers["host"])
-            await _reply(send, APIError(
+            await _reply(send, scope, APIError(
                 403, f"this daemon does not answer to the Host {name!r} (a guard against DNS "
                 f"rebinding); if you reach it by that name, start it with --allowed-hosts {name}",
                 code="host_not_allowed"), close=True)
@@ -102,7 +101,7 @@ def web_guard(app: Any, *, server: Any) -> Any:
             return
         if not is_json(headers.get("content-type")):
             got = headers.get("content-type") or "none"
-            await _reply(send, APIError(
+            await _reply(send, scope, APIError(
                 415, f"the request body must be JSON, sent with 'Content-Type: application/json' "
                 f"(got {got!r})", code="unsupported_media_type"), close=True)
             return
@@ -111,7 +110,7 @@ def web_guard(app: Any, *, server: Any) -> Any:
         if body is None:
             return  # the client went away
         if isinstance(body, APIError):
-            await _reply(send, body, close=True)
+            await _reply(send, scope, body, close=True)
             return
         await app(scope, _replay(body, receive), send)
 
@@ -151,9 +150,8 @@ def _replay(messages: list[dict[str, Any]], receive: Any) -> Any:
     return replay
 
 
-async def _reply(send: Any, error: APIError, close: bool) -> None:
-    body = msgspec.json.encode(error_body(error.message, type=error.type, param=error.param,
-                                          code=error.code))
+async def _reply(send: Any, scope: Any, error: APIError, close: bool) -> None:
+    body = msgspec.json.encode(error_payload(error, scope.get("path", "")))
     headers = [(b"content-type", b"application/json"),
                (b"content-length", str(len(body)).encode())]
     if close:  # the body was not read: the connection cannot carry another request

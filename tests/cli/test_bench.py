@@ -146,3 +146,26 @@ def test_bench_as_another_openai_server_with_hf_baseline(runner: CliRunner, tiny
     assert positive(b["cold_ttft_s"]) and positive(b["output_tokens_per_s"])
     assert b["num_requests"] == 2
     assert all(r["output_tokens"] == MAX_TOKENS for r in w["baseline"]["requests"])
+
+
+@pytest.mark.slow
+def test_bench_speaks_the_responses_and_messages_wires(runner: CliRunner, tiny_daemon,
+                                                       tmp_path) -> None:
+    """The same conversations over each wire: the same prompts reach the model (equal prompt
+    token counts per request), and the cache and the pin hit alike."""
+    url, _ = tiny_daemon
+    runs = {}
+    for api in ("chat", "responses", "messages"):
+        out = tmp_path / f"{api}.json"
+        runs[api] = run_bench(runner, "--url", url, "--api", api, "--concurrency", "1",
+                              "--no-pressure", "--json", str(out))["workloads"][0]
+    for api in ("responses", "messages"):
+        phases, chat = runs[api]["phases"], runs["chat"]["phases"]
+        for phase in ("cold", "warm", "pinned", "multiturn"):
+            assert ([r["prompt_tokens"] for r in phases[phase]["requests"]]
+                    == [r["prompt_tokens"] for r in chat[phase]["requests"]]), (api, phase)
+        assert all(r["cached_tokens"] == 0 for r in phases["cold"]["requests"]), api
+        assert all(r["cached_tokens"] > 0 for r in phases["warm"]["requests"]), api
+        pin_tokens = runs[api]["figures"]["pin_num_tokens"]
+        assert all(r["cached_tokens"] >= pin_tokens for r in phases["pinned"]["requests"]), api
+        assert runs[api]["sent"]["output_tokens_mean"] == MAX_TOKENS, api

@@ -18,6 +18,7 @@ from agentd.cache import PinBudgetError, PinExistsError
 from agentd.chat import render_chat
 from agentd.config import EngineConfig
 from agentd.llm import LLM
+from agentd.near_miss import CLAUDE_CODE_FIX, CLAUDE_CODE_HEADER
 from agentd.pin_service import PinService, PinSpec, pin_token_ids
 from agentd.sampling_params import SamplingParams
 
@@ -196,6 +197,31 @@ def test_near_miss_reports_timestamp_divergence(tiny_llama, research, tmp_path):
             assert 0 < miss.divergence_token < info["num_tokens"]
             assert "2026" in miss.request_text or "date" in miss.request_text.lower()
             assert "date or time" in miss.cause
+        finally:
+            engine.shutdown()
+
+    asyncio.run(run())
+
+
+def test_near_miss_names_a_per_request_hash_before_the_pin(tiny_llama, research, tmp_path):
+    """Claude Code's billing line first in the system prompt: after the tools (rendered first,
+    so they stay cached) the request leaves the pin and meets it again right after the hash."""
+    def billed(cch: str) -> str:
+        return f"x-anthropic-billing-header: cc_version=2.0.14; cch={cch};\n{research['system']}"
+
+    async def run():
+        engine = make_engine(tiny_llama)
+        try:
+            service = PinService(engine, tmp_path)
+            info = await service.add(PinSpec("claude", billed("5ab31"), research["tools"]))
+            last, _ = await chat(engine, billed("e9c04"), "What changed?", research["tools"])
+            assert last.num_cached_tokens < info["num_tokens"] - 500  # the hash cost the rest
+            [miss] = await engine.call(lambda e: list(e.pins.near_misses))
+            assert miss.pin == "claude"
+            assert last.num_cached_tokens <= miss.divergence_token < last.num_cached_tokens + 16
+            assert miss.cause == f"{CLAUDE_CODE_HEADER}; {CLAUDE_CODE_FIX}"
+            assert "⟦e9c04⟧" in miss.request_text and "⟦5ab31⟧" in miss.pin_text
+            assert info["num_tokens"] > 1000
         finally:
             engine.shutdown()
 

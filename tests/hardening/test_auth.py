@@ -33,6 +33,9 @@ BAD_HEADERS = {
     "no scheme": {"Authorization": KEYS[0]},
     "empty bearer": {"Authorization": "Bearer "},
     "two keys at once": {"Authorization": f"Bearer {KEYS[0]},{KEYS[1]}"},
+    "wrong x-api-key": {"x-api-key": "sk-gamma"},
+    "a good x-api-key under a bad bearer": {"Authorization": "Bearer sk-gamma",
+                                            "x-api-key": KEYS[0]},
 }
 
 
@@ -58,9 +61,17 @@ def guarded_operations(client: TestClient) -> list[tuple[str, str]]:
 def test_every_v1_and_admin_operation_needs_a_key(keyed: TestClient, openai_error) -> None:
     for method, path in guarded_operations(keyed):
         for case, headers in BAD_HEADERS.items():
-            error = openai_error(keyed.request(method, path, headers=headers), 401)
+            response = keyed.request(method, path, headers=headers)
+            if path.startswith("/v1/messages"):  # Anthropic's routes answer in its shape
+                assert response.status_code == 401, (method, path, case)
+                assert response.json()["error"]["type"] == "authentication_error"
+                continue
+            error = openai_error(response, 401)
             assert error["code"] == "invalid_api_key", (method, path, case)
             assert error["type"] == "authentication_error"
+        if path.startswith("/v1/messages"):  # Anthropic's header carries a key as well
+            response = keyed.request(method, path, headers={"x-api-key": KEYS[0]}, json={})
+            assert response.status_code == 400, response.text
 
 
 @pytest.mark.parametrize("key", [*KEYS, ADMIN])

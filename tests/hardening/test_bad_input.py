@@ -295,7 +295,7 @@ def test_legal_edge_values_are_served(client: TestClient, name: str, idle) -> No
 def test_integrity_endpoint_reports_a_clean_idle_pool(client: TestClient) -> None:
     report = client.get("/admin/integrity").json()
     assert report == {"ok": True, "error": None, "num_blocks_used": 0, "num_blocks_pinned": 0,
-                      "num_requests": 0, "num_streams": 0}
+                      "num_blocks_retained": 0, "num_requests": 0, "num_streams": 0}
 
 
 # --- the body size limit -------------------------------------------------------------------

@@ -27,6 +27,7 @@ from agentd.async_engine import AsyncEngine
 from agentd.config import EngineConfig
 from agentd.engine import LLMEngine
 from agentd.server.app import ServerSettings, create_app
+from agentd.server.state import tenant_of
 
 LOCAL = "http://127.0.0.1"  # a Host header the daemon answers to (testserver.local is not)
 
@@ -44,10 +45,10 @@ def system_prompt(tag: str) -> str:
 
 
 def cached(client: TestClient, system: str, key: str | None = None,
-           salt: str | None = None) -> int:
+           salt: str | None = None, **fields: Any) -> int:
     body: dict[str, Any] = {"messages": [{"role": "system", "content": system},
                                          {"role": "user", "content": "What can you do?"}],
-                            "max_tokens": 1, "temperature": 0}
+                            "max_tokens": 1, "temperature": 0, **fields}
     if salt is not None:
         body["cache_salt"] = salt
     headers = {"Authorization": f"Bearer {key}"} if key else {}
@@ -128,6 +129,25 @@ def test_pins_hit_in_the_shared_cache_and_only_for_their_tenant(clients, idle) -
         assert clients["open"].delete("/v1/pins/iso").status_code == 200
         assert clients["two keys"].delete("/v1/pins/iso", headers={
             "Authorization": f"Bearer {a}"}).status_code == 200
+    idle(clients["open"].get, num_pinned_ok=False)
+
+
+def test_a_retained_prefix_is_its_tenants_alone(clients, tiny, idle) -> None:
+    """A prefix kept by cache control is hashed with its tenant's salt, like its requests: it
+    serves that tenant alone, and the operator's stats name its owner."""
+    a, b = KEYS
+    system = system_prompt("retained-tenant")
+    try:
+        assert cached(clients["two keys"], system, a, prompt_cache_retention="24h") == 0
+        assert cached(clients["two keys"], system, b) == 0
+        assert cached(clients["open"], system) == 0
+        assert cached(clients["two keys"], system, a) > 0
+        [entry] = clients["open"].get("/v1/stats").json()["retained"]
+        assert entry["owner"] == tenant_of(a) and entry["hits"] == 1
+    finally:  # retained prefixes hold their blocks for 24 h: let this one decay now
+        _, engine = tiny
+        asyncio.run(engine.call(lambda e: [e.pins.registry.release_retained(p.key)
+                                           for p in e.pins.registry.retained]))
     idle(clients["open"].get, num_pinned_ok=False)
 
 

@@ -4,8 +4,11 @@ every block's ref count equals its owners (live requests + pins holding it); dis
 blocks never exceed the budget; pinned blocks are never evicted however hard the pool is pressed;
 a refused pin (name taken, over budget) changes nothing; ``match`` returns the longest pin whose
 whole chain starts a request's; TTLs expire exactly the pins idle longer than their TTL; and
-unpinning everything returns the pool to all-free. (The block pool and the KV cache manager have
-their own state machines in tests/cache.)
+unpinning everything returns the pool to all-free. Retained prefixes (cache control) share the
+budget: pins and retained prefixes together never hold more than it, a retention only ever
+displaces retained prefixes used less recently than those it keeps, never a pin, and a refused
+one changes nothing. (The block pool and the KV cache manager have their own state machines in
+tests/cache.)
 """
 
 from __future__ import annotations
@@ -90,6 +93,32 @@ class PinRegistryMachine(RuleBasedStateMachine):
         finally:
             self.manager.free(request_id)
 
+    @rule(prompt=PROMPTS, ttl_s=st.sampled_from([5.0, 20.0]))
+    def retain(self, prompt: list[int], ttl_s: float) -> None:
+        """Compute ``prompt`` like a request and retain its full blocks (cache control)."""
+        request_id = self._request_id()
+        cached = self.manager.find_cached_prefix(prompt)
+        if self.manager.allocate(request_id, len(prompt), cached) is None:
+            return
+        self.manager.cache_blocks(request_id, prompt, len(prompt))
+        self.manager.free(request_id)
+        full = self.manager.find_cached_prefix(prompt)
+        held = {p.key: p.last_used_s for p in self.registry.retained}
+        before = self.snapshot()
+        prefix = self.registry.retain(full.block_ids, full.block_hashes, full.num_tokens, ttl_s,
+                                      self.now_s, created_s=0.0)
+        if prefix is None:
+            event("retention refused")
+            assert self.snapshot() == before, "a refused retention changed something"
+            beyond = {b for b in full.block_ids if not self.registry.holds(b)}
+            assert self.registry.num_pinned_blocks + len(beyond) > MAX_PINNED_BLOCKS
+            return
+        kept = {p.key: p.last_used_s for p in self.registry.retained if p.key in held}
+        displaced = [last for key, last in held.items() if key not in kept]
+        if displaced:
+            event("retention displaced")
+            assert max(displaced) <= min(kept.values(), default=float("inf"))
+
     @rule(name=NAMES)
     def unpin(self, name: str) -> None:
         before = self.snapshot()
@@ -139,6 +168,14 @@ class PinRegistryMachine(RuleBasedStateMachine):
         self.registry.record_hit(pin, pin.num_tokens, self.now_s)
         self.pins[pin.name].last_hit_s = self.now_s
 
+    @rule(prompt=PROMPTS)
+    def hit_retained(self, prompt: list[int]) -> None:
+        """A request that holds a retained prefix whole refreshes it (as the engine does)."""
+        for prefix in self.registry.retained.matching(hash_blocks(prompt, BLOCK_SIZE)):
+            event("retained hit")
+            prefix.refresh(self.now_s)
+            assert prefix.expires_s >= self.now_s + prefix.ttl_s
+
     @rule(elapsed_s=st.sampled_from([1.0, 6.0, 25.0]))
     def expire(self, elapsed_s: float) -> None:
         self.now_s += elapsed_s
@@ -150,12 +187,17 @@ class PinRegistryMachine(RuleBasedStateMachine):
         for name in expired:  # what the engine does: they decay to ordinary LRU blocks
             self.registry.remove(name)
             del self.pins[name]
+        for key in self.registry.retained.expired(self.now_s):
+            event("retained expired")
+            self.registry.release_retained(key)
+        assert all(p.expires_s > self.now_s for p in self.registry.retained)
 
     @invariant()
     def every_reference_has_an_owner(self) -> None:
         self.pool.check_integrity()
         owners = Counter(b for r in self.requests for b in self.manager.block_table(r))
         owners.update(b for m in self.pins.values() for b in m.block_ids)
+        owners.update(b for p in self.registry.retained for b in p.block_ids)
         assert [self.pool.ref_cnt(b) for b in range(NUM_BLOCKS)] == \
             [owners[b] for b in range(NUM_BLOCKS)]
 
@@ -163,6 +205,8 @@ class PinRegistryMachine(RuleBasedStateMachine):
     def budget_and_names_hold(self) -> None:
         pinned = {b for m in self.pins.values() for b in m.block_ids}
         assert self.registry.num_pinned_blocks == len(pinned) <= MAX_PINNED_BLOCKS
+        retained = {b for p in self.registry.retained for b in p.block_ids}
+        assert self.registry.num_held_blocks == len(pinned | retained) <= MAX_PINNED_BLOCKS
         assert sorted(p.name for p in self.registry) == sorted(self.pins)
         assert all(self.registry.holds(b) for b in pinned)
 
@@ -171,10 +215,15 @@ class PinRegistryMachine(RuleBasedStateMachine):
         for model in self.pins.values():
             for block_id, block_hash in zip(model.block_ids, model.block_hashes, strict=True):
                 assert self.pool.get_cached(block_hash) == block_id
+        for prefix in self.registry.retained:
+            for block_id, block_hash in zip(prefix.block_ids, prefix.block_hashes, strict=True):
+                assert self.pool.get_cached(block_hash) == block_id
 
     def teardown(self) -> None:
         for name in list(self.pins):
             self.registry.remove(name)
+        for prefix in self.registry.retained:
+            self.registry.release_retained(prefix.key)
         for request_id in self.requests:
             self.manager.free(request_id)
         assert self.pool.num_free == NUM_BLOCKS and self.registry.num_pinned_blocks == 0

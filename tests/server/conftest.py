@@ -15,12 +15,13 @@ IdleWaiter = Callable[[Callable[[], dict[str, Any]]], dict[str, Any]]
 
 
 def _wait_idle(get_stats: Callable[[], dict[str, Any]], timeout_s: float = 20.0) -> dict[str, Any]:
-    """Poll ``/v1/stats`` until nothing runs, waits or holds a block; return those stats."""
+    """Poll ``/v1/stats`` until nothing runs, waits or holds a block (but for retained prefixes,
+    which hold theirs until they expire); return those stats."""
     deadline = time.monotonic() + timeout_s
     while True:
         stats = get_stats()
-        busy = stats["num_blocks_used"] or stats["num_requests_running"] or \
-            stats["num_requests_waiting"]
+        busy = stats["num_blocks_used"] - stats["num_blocks_retained"] or \
+            stats["num_requests_running"] or stats["num_requests_waiting"]
         if not busy:
             return stats
         assert time.monotonic() < deadline, f"the pool never went idle: {stats}"

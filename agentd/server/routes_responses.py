@@ -1,0 +1,115 @@
+"""The OpenAI Responses API routes: ``POST /v1/responses``, ``GET`` and ``DELETE
+/v1/responses/{id}``.
+
+Invariants: as on chat, handlers validate, plan in a worker thread, start the plan and shape the
+reply (``agentd.server.wires``); a response is stored (``store: true``, the default) with its
+exact token ids only once it finished, in the caller's tenant, and a request that ends without
+a reply to store releases what the engine kept for it; an unknown, expired or other tenant's
+response id is a 404 naming it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from functools import partial
+from typing import Annotated, Any
+
+from litestar import Controller, Request, delete, get, post
+from litestar.datastructures import State
+from litestar.params import Body, FromPath
+from litestar.response import Stream
+
+from agentd.server.errors import APIError
+from agentd.server.intake import check_chars, text_chars
+from agentd.server.routes_openai import ERROR_RESPONSES
+from agentd.server.serving import event_stream, until_disconnect
+from agentd.server.state import ServerState, cache_tenant, require_api_key, server_of
+from agentd.server.wires.openai_responses import ResponsesRequest
+from agentd.server.wires.plan import start
+from agentd.server.wires.response_store import StoredResponse
+from agentd.server.wires.responses_out import complete_response, stream_response
+from agentd.server.wires.responses_plan import ResponsesJob, plan_responses
+from agentd.server.wires.responses_types import DeletedResponse, FunctionCallItem, Response
+
+_TEXT_KEYS = ("text", "content", "output", "arguments")
+ResponsesBody = Annotated[ResponsesRequest, Body(description="An OpenAI Responses API request.")]
+
+
+class ResponsesController(Controller):
+    path = "/v1/responses"
+    guards = [require_api_key]
+    tags = ["OpenAI"]
+
+    @post("", status_code=200, summary="Create a response (OpenAI Responses API)",
+          description="With `stream: true` the reply is `text/event-stream` of semantic events.",
+          responses=ERROR_RESPONSES)
+    async def create(self, request: Request[Any, Any, Any], data: ResponsesBody,
+                     state: State) -> Response | Stream:
+        server = server_of(state)
+        engine = server.require_engine()
+        model = server.check_model(data.model)
+        server.unknown_fields.note(await request.body(), ResponsesRequest, request.url.path)
+        check_chars(text_chars([data.input, data.instructions], _TEXT_KEYS), engine.tokenizer,
+                    engine.max_model_len, "input")
+        tenant = cache_tenant(request)
+        previous = None
+        if data.previous_response_id is not None:
+            previous = _stored(server, tenant, data.previous_response_id, "previous_response_id")
+        keep = data.store and server.settings.response_store_size > 0
+        job = await asyncio.to_thread(plan_responses, data, engine, model, int(time.time()),
+                                      previous, keep)
+        started = await start(request, server, job.plan)
+        on_stored = partial(_store, server, tenant, job)
+        if data.stream:
+            return event_stream(stream_response(job, started.deltas, started.on_finish,
+                                                on_stored))
+        return await until_disconnect(
+            request, complete_response(job, started.deltas, started.on_finish, on_stored),
+            started.deltas)
+
+    @get("/{response_id:str}", summary="Get a stored response", sync_to_thread=False)
+    def get_response(self, request: Request[Any, Any, Any], response_id: FromPath[str],
+                     state: State) -> Response:
+        server = server_of(state)
+        return _stored(server, cache_tenant(request), response_id, "response_id").response
+
+    @delete("/{response_id:str}", status_code=200, summary="Delete a stored response",
+            sync_to_thread=False)
+    def delete_response(self, request: Request[Any, Any, Any], response_id: FromPath[str],
+                        state: State) -> DeletedResponse:
+        if not server_of(state).responses.delete(cache_tenant(request), response_id):
+            raise _not_found(response_id, "response_id")
+        return DeletedResponse(id=response_id)
+
+
+def _stored(server: ServerState, tenant: str | None, response_id: str,
+            param: str) -> StoredResponse:
+    stored = server.responses.get(tenant, response_id)
+    if stored is None:
+        raise _not_found(response_id, param)
+    return stored
+
+
+def _not_found(response_id: str, param: str) -> APIError:
+    return APIError(404, f"{param} {response_id!r}: no stored response has this id: it is "
+                    "unknown, has expired (see `agentd start --response-store-ttl`), was "
+                    "deleted, was made with store: false, or belongs to another API key",
+                    param=param,
+                    code="response_not_found")
+
+
+def _store(server: ServerState, tenant: str | None, job: ResponsesJob,
+           response: Response | None, output_ids: list[int]) -> None:
+    plan = job.plan
+    if not plan.keep_tail:
+        return
+    if response is None:
+        server.release_tails([plan.request_id])
+        return
+    calls = [{"id": item.call_id, "type": "function",
+              "function": {"name": item.name, "arguments": item.arguments}}
+             for item in response.output if isinstance(item, FunctionCallItem)]
+    server.responses.put(tenant, response.id, StoredResponse(
+        response, plan.prompt_token_ids + output_ids, plan.request_id, job.instructions, calls))
+

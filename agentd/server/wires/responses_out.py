@@ -1,0 +1,235 @@
+"""The Responses API's replies: a whole ``Response``, or the semantic event stream the official
+SDK parses (``response.created``, ``response.in_progress``, ``response.output_item.added``,
+``response.content_part.added``, ``response.output_text.delta``/``.done``,
+``response.function_call_arguments.delta``/``.done``, ``response.output_item.done``,
+``response.completed``), each with its ``sequence_number``.
+
+Invariants: the streamed and the whole reply of one generation hold the same output items (ids
+aside); every item that is added is done before the response completes; text that is only
+whitespace opens no message item; a failure mid-stream is an ``error`` event then
+``response.failed``. The output's exact token ids are handed to ``on_stored`` with the finished
+reply, for the response store.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from agentd.async_engine import RequestStream
+from agentd.outputs import StreamDelta
+from agentd.server.errors import APIError
+from agentd.server.retention import cache_usage
+from agentd.server.serving import collect, delta_error, exception_error
+from agentd.server.tool_calls import ToolCallAssembler
+from agentd.server.wires.plan import OnFinish
+from agentd.server.wires.responses_plan import ResponsesJob
+from agentd.server.wires.responses_types import (
+    FunctionCallItem,
+    InputTokensDetails,
+    OutputItem,
+    OutputMessage,
+    OutputText,
+    Response,
+    ResponseUsage,
+)
+from agentd.tool_parser import CallStartEvent
+
+# Called once per request: with the finished reply and its output token ids, or with None when
+# the request ended without a reply to store (failed, or its client went away).
+OnStored = Callable[[Response | None, list[int]], None]
+_encoder = msgspec.json.Encoder()
+
+
+def _item_id(prefix: str, source_id: str) -> str:
+    """An item id from the call id or the response id it belongs to."""
+    return prefix + "_" + source_id.split("_", 1)[-1]
+
+
+def finished_response(job: ResponsesJob, output: list[OutputItem], last: StreamDelta,
+                      calls: bool) -> Response:
+    """The shell with its output, status and usage."""
+    usage = cache_usage(last, job.plan)
+    incomplete = last.finish_reason == "length" or (last.finish_reason == "abort")
+    details = {"reason": "max_output_tokens" if last.finish_reason == "length" else "cancelled"}
+    return msgspec.structs.replace(
+        job.shell, output=output, status="incomplete" if incomplete and not calls else "completed",
+        incomplete_details=details if incomplete and not calls else None,
+        completed_at=job.shell.created_at,
+        usage=ResponseUsage(
+            input_tokens=last.num_prompt_tokens, output_tokens=last.num_output_tokens,
+            total_tokens=last.num_prompt_tokens + last.num_output_tokens,
+            input_tokens_details=InputTokensDetails(cached_tokens=usage.read,
+                                                    cache_write_tokens=usage.creation)))
+
+
+def _finish_reason(calls: bool, last: StreamDelta) -> str:
+    return "tool_calls" if calls and last.finish_reason == "stop" else str(last.finish_reason)
+
+
+async def complete_response(job: ResponsesJob, deltas: AsyncIterator[StreamDelta],
+                            on_finish: OnFinish, on_stored: OnStored) -> Response:
+    try:
+        got = await collect(deltas)
+    except BaseException:  # failed or cancelled (the client went away)
+        on_stored(None, [])
+        raise
+    parsed = ToolCallAssembler(job.plan.tool_mode).whole(got.text)
+    output: list[OutputItem] = []
+    if parsed.content and parsed.content.strip():
+        output.append(OutputMessage(id=_item_id("msg", job.plan.request_id),
+                                    content=[OutputText(text=parsed.content)]))
+    output += [FunctionCallItem(id=_item_id("fc", c.id), call_id=c.id, name=c.name,
+                                arguments=c.arguments_json) for c in parsed.tool_calls]
+    response = finished_response(job, output, got.last, bool(parsed.tool_calls))
+    on_finish(got.last, _finish_reason(bool(parsed.tool_calls), got.last))
+    on_stored(response, got.token_ids)
+    return response
+
+
+@dataclass
+class _Streamer:
+    """Turns text and call pieces into events, tracking the open item."""
+
+    job: ResponsesJob
+    num_events: int = 0
+    output: list[OutputItem] = field(default_factory=list)
+    open_text: list[str] | None = None  # the open message's text so far
+    message_id: str = ""
+    open_call: FunctionCallItem | None = None
+    pending_space: str = ""
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        body = {"type": kind, "sequence_number": self.num_events, **fields}
+        self.num_events += 1
+        return b"event: " + kind.encode() + b"\ndata: " + _encoder.encode(body) + b"\n\n"
+
+    @property
+    def index(self) -> int:
+        return len(self.output)
+
+    def text(self, text: str) -> list[bytes]:
+        out: list[bytes] = []
+        if self.open_text is None:
+            text, self.pending_space = self.pending_space + text, ""
+            if not text.strip():
+                self.pending_space = text
+                return out
+            out += self.close()
+            self.open_text = []
+            self.message_id = _item_id("msg", self.job.plan.request_id) + (
+                f"_{self.index}" if self.index else "")
+            item = OutputMessage(id=self.message_id, content=[], status="in_progress")
+            out.append(self.event("response.output_item.added", output_index=self.index,
+                                  item=item))
+            out.append(self.event("response.content_part.added", item_id=item.id,
+                                  output_index=self.index, content_index=0,
+                                  part=OutputText(text="")))
+        self.open_text.append(text)
+        out.append(self.event("response.output_text.delta", item_id=self.message_id,
+                              output_index=self.index, content_index=0, delta=text,
+                              logprobs=[]))
+        return out
+
+    def call_start(self, piece: CallStartEvent) -> list[bytes]:
+        out = self.close()
+        self.open_call = FunctionCallItem(id=_item_id("fc", piece.id), call_id=piece.id,
+                                          name=piece.name, arguments="", status="in_progress")
+        out.append(self.event("response.output_item.added", output_index=self.index,
+                              item=self.open_call))
+        return out
+
+    def call_arguments(self, text: str) -> list[bytes]:
+        assert self.open_call is not None  # the parser starts a call before its arguments
+        self.open_call.arguments += text
+        return [self.event("response.function_call_arguments.delta", item_id=self.open_call.id,
+                           output_index=self.index, delta=text)]
+
+    def close(self) -> list[bytes]:
+        """Finish the open item (message or call): its done events."""
+        out: list[bytes] = []
+        if self.open_text is not None:
+            part = OutputText(text="".join(self.open_text))
+            item = OutputMessage(id=self.message_id, content=[part])
+            out.append(self.event("response.output_text.done", item_id=item.id,
+                                  output_index=self.index, content_index=0, text=part.text,
+                                  logprobs=[]))
+            out.append(self.event("response.content_part.done", item_id=item.id,
+                                  output_index=self.index, content_index=0, part=part))
+            out.append(self.event("response.output_item.done", output_index=self.index,
+                                  item=item))
+            self.output.append(item)
+            self.open_text = None
+        if self.open_call is not None:
+            call = self.open_call
+            call.status = "completed"
+            out.append(self.event("response.function_call_arguments.done", item_id=call.id,
+                                  output_index=self.index, name=call.name,
+                                  arguments=call.arguments))
+            out.append(self.event("response.output_item.done", output_index=self.index,
+                                  item=call))
+            self.output.append(call)
+            self.open_call = None
+        return out
+
+    def pieces(self, pieces: list[Any]) -> list[bytes]:
+        out: list[bytes] = []
+        for piece in pieces:
+            if isinstance(piece, str):
+                out += self.text(piece)
+            elif isinstance(piece, CallStartEvent):
+                out += self.call_start(piece)
+            else:
+                out += self.call_arguments(piece.text)
+        return out
+
+
+async def stream_response(job: ResponsesJob, deltas: RequestStream, on_finish: OnFinish,
+                          on_stored: OnStored) -> AsyncIterator[bytes]:
+    """The event stream of one submitted generation; closing it early aborts the request."""
+    events = _Streamer(job)
+    assembler = ToolCallAssembler(job.plan.tool_mode)
+    token_ids: list[int] = []
+    stored = False
+    try:
+        yield events.event("response.created", response=job.shell)
+        yield events.event("response.in_progress", response=job.shell)
+        last: StreamDelta | None = None
+        async for delta in deltas:
+            last = delta
+            token_ids += delta.token_ids
+            for chunk in events.pieces(assembler.feed(delta.text)):
+                yield chunk
+        for chunk in [*events.pieces(assembler.finish()), *events.close()]:
+            yield chunk
+        assert last is not None  # the engine always ends a stream with a finished delta
+        if last.error is not None:
+            raise delta_error(last)
+        calls = any(isinstance(item, FunctionCallItem) for item in events.output)
+        response = finished_response(job, events.output, last, calls)
+        on_finish(last, _finish_reason(calls, last))
+        on_stored(response, token_ids)
+        stored = True
+        kind = "response.completed" if response.status == "completed" else "response.incomplete"
+        yield events.event(kind, response=response)
+    except APIError as exc:
+        for chunk in _failed(events, job, exc):
+            yield chunk
+    except (ValueError, RuntimeError) as exc:
+        for chunk in _failed(events, job, exception_error(exc)):
+            yield chunk
+    finally:
+        if not stored:
+            on_stored(None, [])
+        await deltas.aclose()  # aborts it if unfinished
+
+
+def _failed(events: _Streamer, job: ResponsesJob, error: APIError) -> list[bytes]:
+    failed = msgspec.structs.replace(job.shell, status="failed", output=events.output,
+                                     error={"code": error.code or "server_error",
+                                            "message": error.message})
+    return [events.event("error", code=error.code, message=error.message, param=error.param),
+            events.event("response.failed", response=failed)]

@@ -1,0 +1,93 @@
+"""The Responses API's reply objects (msgspec Structs encoded exactly as OpenAI's).
+
+Invariant: a ``Response`` carries every field the official SDK reads — ``output`` items of type
+``message`` (``output_text`` parts) and ``function_call``, ``status`` and
+``incomplete_details``, and ``usage`` with ``input_tokens_details.cached_tokens`` — and echoes
+the request's settings (tools, tool_choice, text format, instructions, metadata...).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+
+class OutputText(msgspec.Struct, kw_only=True):
+    text: str
+    type: str = "output_text"
+    annotations: list[Any] = msgspec.field(default_factory=list)
+    logprobs: list[Any] = msgspec.field(default_factory=list)
+
+
+class OutputMessage(msgspec.Struct, kw_only=True, tag_field="type", tag="message"):
+    id: str
+    content: list[OutputText]
+    status: str = "completed"
+    role: str = "assistant"
+
+
+class FunctionCallItem(msgspec.Struct, kw_only=True, tag_field="type", tag="function_call"):
+    id: str
+    call_id: str
+    name: str
+    arguments: str
+    status: str = "completed"
+
+
+OutputItem = OutputMessage | FunctionCallItem
+
+
+class InputTokensDetails(msgspec.Struct, kw_only=True):
+    cached_tokens: int = 0
+    cache_write_tokens: int = 0
+
+
+class OutputTokensDetails(msgspec.Struct, kw_only=True):
+    reasoning_tokens: int = 0
+
+
+class ResponseUsage(msgspec.Struct, kw_only=True):
+    input_tokens: int
+    output_tokens: int
+    total_tokens: int
+    input_tokens_details: InputTokensDetails
+    output_tokens_details: OutputTokensDetails = msgspec.field(
+        default_factory=OutputTokensDetails)
+
+
+class Response(msgspec.Struct, kw_only=True):
+    id: str
+    created_at: int
+    model: str
+    status: str
+    output: list[OutputItem]
+    instructions: str | None
+    max_output_tokens: int | None
+    metadata: dict[str, str]
+    parallel_tool_calls: bool
+    previous_response_id: str | None
+    prompt_cache_key: str | None
+    store: bool
+    temperature: float
+    top_p: float
+    text: dict[str, Any]
+    tool_choice: str | dict[str, Any]
+    tools: list[dict[str, Any]]
+    user: str | None
+    usage: ResponseUsage | None = None
+    error: dict[str, Any] | None = None
+    incomplete_details: dict[str, str] | None = None
+    completed_at: int | None = None
+    truncation: str = "disabled"
+    reasoning: dict[str, Any] = msgspec.field(
+        default_factory=lambda: {"effort": None, "summary": None})
+    background: bool = False
+    service_tier: str = "default"
+    object: str = "response"
+
+
+class DeletedResponse(msgspec.Struct, kw_only=True):
+    id: str
+    object: str = "response.deleted"
+    deleted: bool = True

@@ -35,6 +35,7 @@ _CLOSING_STEPS = ('"', "}", "]", ",", "0", "1", "false", "null",
                   '@a.co"', 'a.co"', '.co"', 'co"', 'o"')
 # for the estimate only, where the model chooses: any printable character on
 _ANY_STEPS = (*string.ascii_letters, *string.digits, *string.punctuation, " ")
+_MAX_CHOICES = 8  # more first characters than this: content, not a choice of keys or values
 _CONTENT_REPEATS = 24  # a step the grammar takes this many times over is content, not a way out
 MAX_TOKEN_BYTES = 32
 _MAX_CLOSING_STEPS = 64
@@ -85,7 +86,7 @@ class StructuredOutputs:
             return True
         cost = self.cost_to_close(request_id)
         # where the model chooses (a key, an enum) it may take a longer way than the estimate's
-        if cost + cost // 2 + CLOSING_MARGIN >= budget:
+        if 2 * cost + CLOSING_MARGIN >= budget:
             self._closing.add(request_id)
             return True
         return False
@@ -95,7 +96,10 @@ class StructuredOutputs:
         forced text (as many tokens as greedy longest matches in the vocabulary, plus one), one
         token per closing step, and the stop token; estimated on a fork, the matcher is
         untouched."""
-        fork = self._matchers[request_id].fork()
+        return self._cost_from(self._matchers[request_id].fork())
+
+    def _cost_from(self, fork: Any) -> int:
+        """``cost_to_close`` of a forked matcher, which it advances."""
         cost = 1  # the stop token
         for _ in range(_MAX_CLOSING_STEPS):
             if fork.is_completed() or fork.is_terminated():
@@ -236,13 +240,27 @@ class StructuredOutputs:
             token_id: int | None = stops[0]
         else:
             matcher = self._matchers[request_id]
-            step = matcher.find_jump_forward_string() or _closing_step(matcher)
+            step = (matcher.find_jump_forward_string() or _closing_step(matcher)
+                    or self._cheapest_choice(matcher))
             token_id = self._token_for(step) if step else None
         if token_id is None or not (int(row[token_id // 32]) >> (token_id % 32)) & 1:
             return
         row.zero_()
         word, bit = divmod(token_id, 32)
         row[word] = -(1 << 31) if bit == 31 else 1 << bit
+
+    def _cheapest_choice(self, matcher: Any) -> str | None:
+        """Where the model would choose (a key, an enum value): the first character of the
+        choice with the cheapest way to the end (a required key over an optional one)."""
+        chars = [c for c in _ANY_STEPS if matcher.fork().accept_string(c)]
+        if not chars or len(chars) > _MAX_CHOICES:
+            return None  # content, not a choice: the model writes it
+        costs = []
+        for char in chars:
+            fork = matcher.fork()
+            fork.accept_string(char)
+            costs.append((self._cost_from(fork), char))
+        return min(costs)[1]
 
     def _num_tokens(self, text: str) -> int:
         """Tokens of ``text`` taken as greedy longest matches in the vocabulary."""

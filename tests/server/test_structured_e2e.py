@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from collections.abc import Iterator
 from importlib import resources
 from typing import Any
@@ -19,7 +20,10 @@ pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
 WORKLOADS = ("coding_agent", "support_agent", "research_agent")
-NUM_PROMPTS = 50  # per workload: its single turns, then its conversations' first messages
+# per workload: its single turns, then its conversations' first messages. 50 each is the whole
+# check (AGENTD_E2E_PROMPTS=50, about 4 minutes a workload on 2 cores: 2,000-token agent prompts
+# at batch 16); CI runs the first 16 of each to stay within its time
+NUM_PROMPTS = int(os.environ.get("AGENTD_E2E_PROMPTS", "16"))
 CONCURRENCY = 16
 MAX_TOKENS = 128
 
@@ -31,7 +35,7 @@ def workload(name: str) -> dict[str, Any]:
 def prompts_of(data: dict[str, Any]) -> list[str]:
     firsts = [c[0]["content"] for c in data["conversations"] if c and c[0]["role"] == "user"]
     prompts = (data["turns"] + firsts)[:NUM_PROMPTS]
-    assert len(prompts) == NUM_PROMPTS
+    assert len(prompts) == NUM_PROMPTS  # every workload has 50
     return prompts
 
 
@@ -81,17 +85,21 @@ def test_required_and_named_calls_always_validate(daemon: str, name: str) -> Non
                     model=MODEL, temperature=0, max_tokens=MAX_TOKENS, tools=tools,
                     tool_choice=choice, messages=[{"role": "system", "content": data["system"]},
                                                   {"role": "user", "content": prompt}])
-            required = [ask(p, "required") for p in prompts]
-            named = [ask(p, {"type": "function", "function": {"name": names[i % len(names)]}})
-                     for i, p in enumerate(prompts)]
-            return await gather_limited(required + named)
+            return await gather_limited([ask(p, choice_of(i)) for i, p in enumerate(prompts)])
+
+    def choice_of(i: int) -> Any:
+        """Even prompts "required", odd ones a named function (each tool in turn): every prompt
+        asks once, so the suite stays within CI's time."""
+        if i % 2 == 0:
+            return "required"
+        return {"type": "function", "function": {"name": names[(i // 2) % len(names)]}}
 
     replies = asyncio.run(run())
     for i, reply in enumerate(replies):
         choice = reply.choices[0]
-        assert choice.finish_reason == "tool_calls", (prompts[i % NUM_PROMPTS], choice)
+        assert choice.finish_reason == "tool_calls", (prompts[i], choice)
         assert choice.message.content is None
-        named = names[(i - NUM_PROMPTS) % len(names)] if i >= NUM_PROMPTS else None
+        named = None if i % 2 == 0 else choice_of(i)["function"]["name"]
         check_calls(choice.message, tools, only=named)
         assert named is None or len(choice.message.tool_calls) == 1
 

@@ -91,7 +91,9 @@ def test_messages_text_tools_and_count_tokens(claude: anthropic.Anthropic) -> No
     counted = claude.messages.count_tokens(model=MODEL, system=system, tools=tools,
                                            messages=turns)
     usage = final.usage
-    assert counted.input_tokens == usage.input_tokens + usage.cache_read_input_tokens
+    # Anthropic's total: uncached + read from cache + written to it (the cache_control mark)
+    assert counted.input_tokens == (usage.input_tokens + usage.cache_read_input_tokens
+                                    + usage.cache_creation_input_tokens)
     assert usage.cache_read_input_tokens > 0  # the system prompt and first turn were cached
 
 

@@ -22,8 +22,8 @@ MODEL = "SmolLM2-135M-Instruct"
 WORKLOADS = ("coding_agent", "support_agent", "research_agent")
 # per workload: its single turns, then its conversations' first messages. 50 each is the whole
 # check (AGENTD_E2E_PROMPTS=50, about 4 minutes a workload on 2 cores: 2,000-token agent prompts
-# at batch 16); CI runs the first 16 of each to stay within its time
-NUM_PROMPTS = int(os.environ.get("AGENTD_E2E_PROMPTS", "16"))
+# at batch 16); CI runs the first 10 of each to stay within its time
+NUM_PROMPTS = int(os.environ.get("AGENTD_E2E_PROMPTS", "10"))
 CONCURRENCY = 16
 MAX_TOKENS = 128
 

@@ -54,7 +54,7 @@ class StructuredOutputs:
         self._vocab_index: dict[bytes, int] | None = None  # built on first use
         self._vocab_text: dict[int, str] = {}
         self._closing: set[str] = set()
-        self._stop_words = [divmod(t, 32) for t in stop_token_ids if 0 <= t < vocab_size]
+        self._stop_ids = [t for t in stop_token_ids if 0 <= t < vocab_size]
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._matchers
@@ -235,7 +235,7 @@ class StructuredOutputs:
         allows it."""
         if self._decoded_vocab is None:
             return
-        stops = [w * 32 + b for w, b in self._stop_words if (int(row[w]) >> b) & 1]
+        stops = [t for t in self._stop_ids if _allowed(row, t)]
         if stops:  # the output may end here: it does
             token_id: int | None = stops[0]
         else:
@@ -243,11 +243,10 @@ class StructuredOutputs:
             step = (matcher.find_jump_forward_string() or _closing_step(matcher)
                     or self._cheapest_choice(matcher))
             token_id = self._token_for(step) if step else None
-        if token_id is None or not (int(row[token_id // 32]) >> (token_id % 32)) & 1:
+        if token_id is None or not _allowed(row, token_id):
             return
         row.zero_()
-        word, bit = divmod(token_id, 32)
-        row[word] = -(1 << 31) if bit == 31 else 1 << bit
+        _set_allowed(row, token_id, True)
 
     def _cheapest_choice(self, matcher: Any) -> str | None:
         """Where the model would choose (a key, an enum value): the first character of the
@@ -317,8 +316,21 @@ def _ban_loop(row: torch.Tensor, output_ids: Sequence[int]) -> None:
         return
     kept = row.clone()
     for token_id in tokens:
-        word, bit = divmod(token_id, 32)
-        value = int(kept[word]) & 0xFFFFFFFF & ~(1 << bit)  # the word as unsigned, bit cleared
-        kept[word] = value - (1 << 32) if value >= 1 << 31 else value
+        _set_allowed(kept, token_id, False)
     if bool(kept.any()):
         row.copy_(kept)
+
+
+def _allowed(row: torch.Tensor, token_id: int) -> bool:
+    """Whether ``token_id``'s bit is set in one int32 bitmask row."""
+    word, bit = divmod(token_id, 32)
+    return bool((int(row[word]) >> bit) & 1)
+
+
+def _set_allowed(row: torch.Tensor, token_id: int, allowed: bool) -> None:
+    """Set or clear ``token_id``'s bit in one int32 bitmask row. The word is handled as
+    unsigned and written back in int32's range (bit 31 is the sign bit)."""
+    word, bit = divmod(token_id, 32)
+    value = int(row[word]) & 0xFFFFFFFF
+    value = value | (1 << bit) if allowed else value & ~(1 << bit)
+    row[word] = value - (1 << 32) if value >= 1 << 31 else value

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -58,3 +59,26 @@ def client(tiny) -> Iterator[Any]:
     with TestClient(create_app(config, engine=engine), base_url=LOCAL) as test_client:
         yield test_client
         _wait_idle(lambda: test_client.get("/v1/stats").json())
+
+
+@dataclass
+class WeatherTool:
+    """An openai-agents function tool, ``get_weather(city)``, that records each city it ran for."""
+    tool: Any
+    cities: list[str] = field(default_factory=list)
+
+
+@pytest.fixture
+def agents_weather_tool() -> WeatherTool:
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)
+    ran = WeatherTool(tool=None)
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """Get the current weather for a city."""
+        ran.cities.append(city)
+        return f"It is 18 C and sunny in {city}."
+
+    ran.tool = get_weather
+    return ran

@@ -255,25 +255,16 @@ def test_streamed_call_arrives_as_openai_streams_it(client: openai.OpenAI) -> No
 
 # --- the agent frameworks -------------------------------------------------------------------
 
-def test_openai_agents_runs_a_tool_and_answers(daemon: str) -> None:
+def test_openai_agents_runs_a_tool_and_answers(daemon: str, agents_weather_tool: Any) -> None:
     agents = pytest.importorskip("agents")
-    agents.set_tracing_disabled(True)
-    ran: list[str] = []
-
-    @agents.function_tool
-    def get_weather(city: str) -> str:
-        """Get the current weather for a city."""
-        ran.append(city)
-        return f"It is 18 C and sunny in {city}."
-
     client = openai.AsyncOpenAI(base_url=f"{daemon}/v1", api_key="unused", max_retries=0)
     agent = agents.Agent(
         name="weather", instructions="Use the get_weather tool, then answer in one sentence.",
-        tools=[get_weather], model=agents.OpenAIChatCompletionsModel(MODEL, client),
+        tools=[agents_weather_tool.tool], model=agents.OpenAIChatCompletionsModel(MODEL, client),
         model_settings=agents.ModelSettings(tool_choice="required", temperature=0,
                                             max_tokens=96))
     result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
-    assert ran  # the tool was called with parsed arguments and executed
+    assert agents_weather_tool.cities  # the tool was called with parsed arguments and executed
     assert isinstance(result.final_output, str) and result.final_output.strip()
     assert "<tool_call>" not in result.final_output
 

@@ -97,25 +97,17 @@ def test_messages_text_tools_and_count_tokens(claude: anthropic.Anthropic) -> No
     assert usage.cache_read_input_tokens > 0  # the system prompt and first turn were cached
 
 
-def test_openai_agents_default_responses_model_runs_a_tool(daemon: str) -> None:
+def test_openai_agents_default_responses_model_runs_a_tool(daemon: str,
+                                                           agents_weather_tool: Any) -> None:
     agents = pytest.importorskip("agents")
-    agents.set_tracing_disabled(True)
-    ran: list[str] = []
-
-    @agents.function_tool
-    def get_weather(city: str) -> str:
-        """Get the current weather for a city."""
-        ran.append(city)
-        return f"It is 18 C and sunny in {city}."
-
     agents.set_default_openai_client(openai.AsyncOpenAI(
         base_url=f"{daemon}/v1", api_key="unused", max_retries=0, timeout=900),
         use_for_tracing=False)
-    agent = agents.Agent(name="weather", instructions=SYSTEM, tools=[get_weather], model=MODEL,
-                         model_settings=agents.ModelSettings(tool_choice="required",
-                                                             temperature=0, max_tokens=96))
+    agent = agents.Agent(name="weather", instructions=SYSTEM, tools=[agents_weather_tool.tool],
+                         model=MODEL, model_settings=agents.ModelSettings(
+                             tool_choice="required", temperature=0, max_tokens=96))
     result = agents.Runner.run_sync(agent, "What is the weather in Paris?", max_turns=4)
-    assert ran  # the tool was called with parsed arguments and executed
+    assert agents_weather_tool.cities  # the tool was called with parsed arguments and executed
     assert isinstance(result.final_output, str) and result.final_output.strip()
     # both model calls went over the Responses API (ids of agentd's stored responses)
     assert len(result.raw_responses) >= 2

@@ -83,6 +83,10 @@ def _concurrency(ctx: click.Context, param: click.Parameter, value: str) -> tupl
 @click.option("--api", type=click.Choice(["chat", "responses", "messages"]), default="chat",
               show_default=True, help="The wire the requests use: chat completions, the "
               "Responses API (/v1/responses) or the Anthropic Messages API (/v1/messages).")
+@click.option("--tools-in-system", is_flag=True,
+              help="Send the tools as text at the head of the system message (agentd's tools "
+              "block) instead of a tools field, so that servers whose chat template drops tools "
+              "read the same prompt tokens as agentd: for comparing servers.")
 @click.option("--openai-compatible", is_flag=True,
               help="Treat the server as a generic OpenAI server even if it is agentd (no pins, "
               "no cache salts, no /v1/stats).")
@@ -147,6 +151,7 @@ def _bench_options(opts: dict[str, Any]) -> Any:
         settings=settings, tokenizer=opts["tokenizer"], force_openai=opts["openai_compatible"],
         daemon_pid=opts["daemon_pid"], baseline=opts["baseline"],
         baseline_model=opts["baseline_model"], api=opts["api"],
+        tools_in_system=opts["tools_in_system"],
     )
 
 

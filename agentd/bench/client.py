@@ -23,7 +23,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from agentd.bench.wires import PATHS, Usage, build_body, read_event
+from agentd.bench.wires import PATHS, Usage, build_body, read_event, tools_as_text
 from agentd.bench.workload import Message, Namespace
 
 
@@ -69,13 +69,17 @@ def is_local(url: str) -> bool:
 
 class BenchClient:
     def __init__(self, url: str, api_key: str | None, timeout_s: float = 1800.0,
-                 api: str = "chat") -> None:
+                 api: str = "chat", tools_in_system: bool = False) -> None:
         self.root_url, self.base_url = split_url(url)
         self.api = api  # the wire: chat, responses or messages (agentd.bench.wires)
+        self.tools_in_system = tools_in_system  # tools sent as system text (wires.tools_as_text)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         timeout = httpx.Timeout(timeout_s, connect=10.0)
+        # Idle connections are dropped well before a server's own keep-alive timeout (5 s in
+        # llama-server's HTTP library), so a request rarely goes out on one the server closed.
+        limits = httpx.Limits(max_connections=512, keepalive_expiry=1.0)
         self._http = httpx.AsyncClient(headers=headers, timeout=timeout, trust_env=False,
-                                       limits=httpx.Limits(max_connections=512))
+                                       limits=limits)
         self.send_ignore_eos = True
 
     async def aclose(self) -> None:
@@ -149,31 +153,46 @@ class BenchClient:
                    max_tokens: int) -> RequestResult:
         """One streamed request on the client's wire (a chat completion by default), greedy,
         measured."""
+        if self.tools_in_system:
+            messages, tools = tools_as_text(messages, tools), []
         body = build_body(self.api, model, messages, tools, max_tokens)
         if namespace.salt is not None:
             body["cache_salt"] = namespace.salt
         if self.send_ignore_eos:
             body["ignore_eos"] = True
         try:
-            return await self._stream(phase, body)
+            return await self._stream_once_more(phase, body)
         except _Rejected as exc:
             if not self.send_ignore_eos or "cache_salt" in body:
                 raise BenchError(f"{phase} request failed: {exc}") from exc
             self.send_ignore_eos = False  # a strict server: retry with standard fields only
             del body["ignore_eos"]
             try:
-                return await self._stream(phase, body)
+                return await self._stream_once_more(phase, body)
             except _Rejected as again:
                 raise BenchError(f"{phase} request failed: {again}") from again
 
+    async def _stream_once_more(self, phase: str, body: dict[str, Any]) -> RequestResult:
+        """``_stream``, sent again once when the server closed a kept-alive connection before
+        answering (nothing was computed; the retry is measured from its own start)."""
+        try:
+            return await self._stream(phase, body)
+        except _Unanswered:
+            try:
+                return await self._stream(phase, body)
+            except _Unanswered as exc:
+                raise BenchError(f"{phase} request failed: {exc.__cause__!r}") from exc
+
     async def _stream(self, phase: str, body: dict[str, Any]) -> RequestResult:
         start = time.perf_counter()
+        answered = False
         ttft: float | None = None
         usage = Usage()
         num_chunks = 0
         try:
             async with self._http.stream("POST", self.base_url + PATHS[self.api],
                                          json=body) as reply:
+                answered = True
                 if reply.status_code == 400:
                     raise _Rejected(error_message(reply, await reply.aread()))
                 if reply.is_error:
@@ -192,6 +211,10 @@ class BenchClient:
                             ttft = time.perf_counter() - start
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
             raise BenchError(f"nothing answers at {self.root_url} any more") from exc
+        except httpx.RemoteProtocolError as exc:
+            if not answered:
+                raise _Unanswered from exc
+            raise BenchError(f"{phase} request failed: {exc!r}") from exc
         except httpx.TransportError as exc:
             raise BenchError(f"{phase} request failed: {exc!r}") from exc
         cached = usage.cached_tokens
@@ -204,6 +227,10 @@ class BenchClient:
 
 class _Rejected(Exception):
     """A 400 reply: maybe only our extensions, so the caller may retry without them."""
+
+
+class _Unanswered(Exception):
+    """The connection closed before any reply (a kept-alive connection the server dropped)."""
 
 
 def error_message(response: httpx.Response, body: bytes | None = None) -> str:

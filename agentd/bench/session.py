@@ -48,6 +48,7 @@ class BenchOptions:
     baseline: str | None = None  # "hf"
     baseline_model: str | None = None
     api: str = "chat"  # the wire the requests use: chat, responses or messages
+    tools_in_system: bool = False  # tools as system text: the same prompt on every server
 
 
 @dataclass
@@ -100,7 +101,8 @@ def run_bench(options: BenchOptions, progress: Progress) -> BenchRun:
 async def _run_server(options: BenchOptions,
                       progress: Progress) -> tuple[ServerInfo, list[WorkloadResult]]:
     _cancel_on_sigterm()
-    client = BenchClient(options.url, options.api_key, api=options.api)
+    client = BenchClient(options.url, options.api_key, api=options.api,
+                         tools_in_system=options.tools_in_system)
     try:
         server = await client.detect(options.model, options.force_openai)  # fail fast
         tokenizer = load_tokenizer_for(options)

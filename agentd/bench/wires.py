@@ -26,6 +26,24 @@ class Usage:
     output_tokens: int | None = None
 
 
+def tools_as_text(messages: list[dict[str, Any]],
+                  tools: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` with ``tools`` written at the head of the system text as agentd's own tools
+    block, as agentd renders them for a chat template without tools: every server then reads
+    the same prompt tokens, whatever its template does with a ``tools`` field (SmolLM2's
+    drops it)."""
+    from agentd.chat import tools_block
+
+    if not tools:
+        return messages
+    block = tools_block(tools)
+    if messages and messages[0]["role"] == "system":
+        text = messages[0].get("content") or ""
+        return [{**messages[0], "content": f"{block}\n\n{text}" if text else block},
+                *messages[1:]]
+    return [{"role": "system", "content": block}, *messages]
+
+
 def build_body(api: str, model: str, messages: list[dict[str, Any]],
                tools: list[dict[str, Any]], max_tokens: int) -> dict[str, Any]:
     """A greedy, streamed request for ``api`` (agentd's extensions are added by the caller)."""

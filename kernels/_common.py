@@ -120,34 +120,6 @@ def block_run(block_ids: list[int], device: torch.device) -> slice | torch.Tenso
     return torch.tensor(block_ids, dtype=torch.long, device=device)
 
 
-MIN_RUN_BLOCKS = 4  # consecutive blocks read in place as one run; shorter runs are gathered
-
-
-def block_runs(block_ids: list[int], device: torch.device) -> list[slice | torch.Tensor]:
-    """Blocks as the runs of consecutive ids (slices, read in place), at least
-    ``MIN_RUN_BLOCKS`` long, then one index of all the other blocks (gathered), if any.
-
-    A request's blocks are mostly consecutive, but a cached prefix is followed by blocks the
-    pool recycled, so the whole table is rarely one run; gathering all of it for one odd block
-    copied the prefix every layer of every decode step. The runs list the blocks in another
-    order than the table: fine for attention, whose keys and values are read in the same one.
-    """
-    runs: list[slice | torch.Tensor] = []
-    odd: list[int] = []
-    start = 0
-    for end in range(1, len(block_ids) + 1):
-        if end < len(block_ids) and block_ids[end] == block_ids[end - 1] + 1:
-            continue
-        if end - start >= MIN_RUN_BLOCKS:
-            runs.append(slice(block_ids[start], block_ids[end - 1] + 1))
-        else:
-            odd += block_ids[start:end]
-        start = end
-    if odd:
-        runs.append(torch.tensor(odd, dtype=torch.long, device=device))
-    return runs
-
-
 def take_blocks(kv_cache: torch.Tensor, which: int, blocks: slice | torch.Tensor) -> torch.Tensor:
     """Keys (``which=0``) or values (1) of ``blocks``, token after token: ``[n * B, Hkv, D]``.
 

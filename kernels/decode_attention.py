@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from agentd.kernels._common import (
-    block_runs,
+    block_run,
     cdiv,
     check_attention_inputs,
     check_index,
@@ -121,7 +121,7 @@ class _DecodeGroup:
     """Decode rows that share leading blocks, and where their keys lie."""
 
     rows: torch.Tensor | None  # the group's rows of the batch; None: all of them, in order
-    shared: list[slice | torch.Tensor]  # the common leading blocks, as runs (block_runs)
+    shared: slice | torch.Tensor  # the common leading blocks
     shared_len: int
     tail_blocks: torch.Tensor  # [R * num_tail_blocks]: each row's own blocks, padded with 0
     tail_bias: torch.Tensor  # [R, 1, 1, tail_len]: 0 for a row's own tail tokens, -inf past them
@@ -150,7 +150,7 @@ def _plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size:
                                                                                   float("-inf"))
         groups.append(_DecodeGroup(
             rows=None if len(by_first) == 1 else torch.tensor(rows, device=device),
-            shared=block_runs(group_tables[0][:num_shared], device),
+            shared=block_run(group_tables[0][:num_shared], device),
             shared_len=shared_len,
             tail_blocks=torch.tensor([b for ids in tail_ids for b in ids], dtype=torch.long,
                                      device=device),
@@ -171,31 +171,26 @@ def _grouped_decode(query: torch.Tensor, kv_cache: torch.Tensor, group: _DecodeG
     num_kv_heads = kv_cache.shape[3]
     group_size = num_heads // num_kv_heads
     work = group.tail_bias.dtype  # the plan's matmul dtype
-    # The scale goes on the queries (head_dim ** -0.5 is a power of two for the usual head
-    # sizes: exact), not on the scores, which are longer.
-    q = (query.to(work) * scale).view(num_rows, num_kv_heads, group_size, head_dim)
-    # The shared prefix, run by run, as one batched product per KV head (an einsum here copied
-    # the prefix's keys and values every layer: ~6 of a 29 ms decode step).
+    q = query.to(work).view(num_rows, num_kv_heads, group_size, head_dim)
+    # The shared prefix as one batched product per KV head (an einsum here copied the prefix's
+    # keys and values every layer: ~6 of a 29 ms decode step).
     q_heads = q.permute(1, 0, 2, 3).reshape(num_kv_heads, num_rows * group_size, head_dim)
-    scores = [torch.bmm(q_heads, heads_first(take_blocks(kv_cache, 0, run).to(work)).transpose(
-        1, 2)).view(num_kv_heads, num_rows, group_size, -1).permute(1, 0, 2, 3)
-        for run in group.shared]  # each [R, Hkv, g, run length]
+    k_shared = heads_first(take_blocks(kv_cache, 0, group.shared).to(work))  # [Hkv, L, D]
+    scores_shared = torch.bmm(q_heads, k_shared.transpose(1, 2)).view(
+        num_kv_heads, num_rows, group_size, -1).permute(1, 0, 2, 3)  # [R, Hkv, g, L]
     k_tail = take_blocks(kv_cache, 0, group.tail_blocks).to(work).view(
         num_rows, -1, num_kv_heads, head_dim)
-    scores.append(torch.einsum("rkgd,rlkd->rkgl", q, k_tail) + group.tail_bias)
-    probs = torch.softmax(torch.cat(scores, dim=-1) if len(scores) > 1 else scores[0], dim=-1)
+    scores_tail = torch.einsum("rkgd,rlkd->rkgl", q, k_tail) + group.tail_bias
+    probs = torch.softmax(torch.cat([scores_shared, scores_tail], dim=-1) * scale, dim=-1)
     v_tail = take_blocks(kv_cache, 1, group.tail_blocks).to(work).view(
         num_rows, -1, num_kv_heads, head_dim)
     out = torch.einsum("rkgl,rlkd->rkgd", probs[..., group.shared_len:], v_tail)
-    start = 0
-    for run, part in zip(group.shared, scores, strict=False):
-        length = part.shape[-1]
-        v_run = heads_first(take_blocks(kv_cache, 1, run).to(work))
-        p_heads = probs[..., start:start + length].permute(1, 0, 2, 3).reshape(
-            num_kv_heads, num_rows * group_size, length)
-        out = out + torch.bmm(p_heads, v_run).view(
+    if group.shared_len:
+        v_shared = heads_first(take_blocks(kv_cache, 1, group.shared).to(work))
+        p_heads = probs[..., :group.shared_len].permute(1, 0, 2, 3).reshape(
+            num_kv_heads, num_rows * group_size, group.shared_len)
+        out = out + torch.bmm(p_heads, v_shared).view(
             num_kv_heads, num_rows, group_size, head_dim).permute(1, 0, 2, 3)
-        start += length
     return out.reshape(num_rows, num_heads, head_dim).to(query.dtype)
 
 

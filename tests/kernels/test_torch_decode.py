@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from agentd.kernels._common import MIN_RUN_BLOCKS, block_runs, matmul_dtype
+from agentd.kernels._common import matmul_dtype
 from agentd.kernels.decode_attention import reference_decode_attention, torch_decode_attention
 
 
@@ -92,30 +92,3 @@ def test_bf16_decode_multiplies_in_bf16_and_matches_fp32(groups, shared_blocks, 
     assert products and all(dtypes == (torch.bfloat16, torch.bfloat16) for dtypes in products)
     assert actual.dtype == torch.bfloat16
     torch.testing.assert_close(actual.float(), expected, atol=2e-2, rtol=2e-2)
-
-
-def test_block_runs_reads_long_runs_in_place_and_gathers_the_rest():
-    runs = block_runs([0, 1, 2, 3, 4, 9, 7, 20, 21, 22, 23, 5, 6], torch.device("cpu"))
-    assert runs[:2] == [slice(0, 5), slice(20, 24)]
-    assert runs[2].tolist() == [9, 7, 5, 6]  # runs shorter than MIN_RUN_BLOCKS, gathered
-    assert block_runs([3, 4, 5, 6], torch.device("cpu")) == [slice(3, 7)]
-    assert block_runs([], torch.device("cpu")) == []
-
-
-@pytest.mark.parametrize("layout", ["interleaved", "planes"])
-def test_a_prefix_of_runs_and_recycled_blocks_matches_reference(layout, make_pool):
-    """A cached prefix (consecutive blocks) then blocks the pool recycled: the runs are read in
-    place, the odd blocks gathered, and the answer is the reference's."""
-    gen = torch.Generator().manual_seed(11)
-    kv_cache = make_pool(gen, 64, 16, 3, 32, layout)
-    prefix = list(range(10, 10 + 2 * MIN_RUN_BLOCKS)) + [3, 50] + list(range(30, 36))
-    tables = [prefix + [40], prefix + [41, 42]]
-    lens = [len(prefix) * 16 + 5, len(prefix) * 16 + 20]
-    block_tables = torch.tensor([t + [0] * (3 + len(prefix) - len(t)) for t in tables],
-                                dtype=torch.int32)
-    seq_lens = torch.tensor(lens, dtype=torch.int32)
-    query = torch.randn(2, 9, 32, generator=gen)
-    torch.testing.assert_close(
-        torch_decode_attention(query, kv_cache, block_tables, seq_lens, 0.125),
-        reference_decode_attention(query, kv_cache, block_tables, seq_lens, 0.125),
-        atol=1e-5, rtol=1e-5)

@@ -111,6 +111,10 @@ def share_same(outputs: list[list[int]], expected: list[list[int]]) -> float:
     return sum(a == b for a, b in zip(outputs, expected, strict=True)) / len(expected)
 
 
+def _share(value: float | None) -> str:
+    return "not run (an earlier check missed)" if value is None else f"{value:.0%}"
+
+
 @pytest.mark.parametrize("weights", [w for w in WEIGHT_FORMATS if w != "float32"])
 def test_weight_format_against_the_accuracy_bar(weights: str, exact, logit_bound) -> None:
     _, prompts, expected = exact
@@ -119,14 +123,21 @@ def test_weight_format_against_the_accuracy_bar(weights: str, exact, logit_bound
     calibrated = llm.engine.loaded.compute_report()["kernels"]
     kernel_up_to(llm, None)
     error = (prompt_logits(llm, prompt) - oracle).abs().max().item()
-    llm = make_llm(weights)  # a fresh cache: nothing computed by the kernel-only prefill
-    kernel_up_to(llm, len(prompts))
-    batched = share_same([o.token_ids for o in llm.generate(prompts, GREEDY)], expected)
-    alone = share_same([llm.generate([p], GREEDY)[0].token_ids for p in prompts], expected)
+    # The checks run in order and stop at the first one missed (the verdict is the same; the
+    # suite saves the continuations of a format already out: int8's logits, bf16's batch).
+    batched = alone = None
+    if error <= bound:
+        llm = make_llm(weights)  # a fresh cache: nothing computed by the kernel-only prefill
+        kernel_up_to(llm, len(prompts))
+        batched = share_same([o.token_ids for o in llm.generate(prompts, GREEDY)], expected)
+        if batched >= MIN_SAME:
+            alone = share_same([llm.generate([p], GREEDY)[0].token_ids for p in prompts],
+                               expected)
     print(f"\n{weights}: max |logit - fp32 oracle| {error:.3f} (bound {bound:.3f}); greedy "
-          f"32 tokens same as exact: batched {batched:.0%}, one at a time {alone:.0%}; "
+          f"32 tokens same as exact: batched {_share(batched)}, one at a time {_share(alone)}; "
           f"calibrated kernels {calibrated}")
-    passes = error <= bound and batched >= MIN_SAME and alone >= MIN_SAME
+    passes = error <= bound and batched is not None and batched >= MIN_SAME and \
+        alone is not None and alone >= MIN_SAME
     assert passes == (weights in ACCURATE_FORMATS), (
         f"{weights} {'meets' if passes else 'misses'} the bar: update ACCURATE_FORMATS only "
         "with the measured figures in README")

@@ -264,11 +264,13 @@ def _chatml_messages(
         else:
             out.append({"role": role, "content": text})
         previous_role = role
-    _prefix_system(out, system_prefix)
+    prefix_system(out, system_prefix)
     return out
 
 
-def _prefix_system(messages: list[dict[str, str]], system_prefix: str | None) -> None:
+def prefix_system(messages: list[dict[str, Any]], system_prefix: str | None) -> None:
+    """Put ``system_prefix`` at the head of the first system message (in place), or make it
+    the first message."""
     if system_prefix is None:
         return
     if messages and messages[0]["role"] == "system":

@@ -32,16 +32,13 @@ def tools_as_text(messages: list[dict[str, Any]],
     block, as agentd renders them for a chat template without tools: every server then reads
     the same prompt tokens, whatever its template does with a ``tools`` field (SmolLM2's
     drops it)."""
-    from agentd.chat import tools_block
+    from agentd.chat import prefix_system, tools_block
 
     if not tools:
         return messages
-    block = tools_block(tools)
-    if messages and messages[0]["role"] == "system":
-        text = messages[0].get("content") or ""
-        return [{**messages[0], "content": f"{block}\n\n{text}" if text else block},
-                *messages[1:]]
-    return [{"role": "system", "content": block}, *messages]
+    out = [dict(message) for message in messages]
+    prefix_system(out, tools_block(tools))
+    return out
 
 
 def build_body(api: str, model: str, messages: list[dict[str, Any]],

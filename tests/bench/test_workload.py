@@ -100,3 +100,22 @@ def test_bad_workload_files_name_the_problem(tmp_path) -> None:
     bad.write_text("{")
     with pytest.raises(WorkloadError, match="not valid JSON"):
         load_workload(bad)
+
+
+@pytest.mark.parametrize("with_system", [True, False])
+def test_tools_in_system_is_the_prompt_agentd_renders_from_tools(tokenizer, with_system) -> None:
+    """--tools-in-system: the tools as system text give the same prompt tokens as the tools field
+    gives agentd (SmolLM2's template has no tools), and the caller's messages stay as they were."""
+    from agentd.bench.wires import tools_as_text
+    from agentd.chat import render_chat
+
+    workload = load_workload(packaged_path("coding_agent"))
+    messages = [{"role": "user", "content": workload.turns[0]}]
+    if with_system:
+        messages.insert(0, {"role": "system", "content": workload.system})
+    before = json.dumps(messages)
+    as_text = tools_as_text(messages, workload.tools)
+    assert json.dumps(messages) == before
+    assert as_text[0]["role"] == "system" and len(as_text) == len(messages) + (not with_system)
+    assert (render_chat(tokenizer, as_text, None).prompt_token_ids
+            == render_chat(tokenizer, messages, workload.tools).prompt_token_ids)

@@ -102,6 +102,7 @@ class LLMEngine:
                                    self.loaded.eos_token_ids)
         self.runner = ModelRunner(model, self.num_blocks, block_size, self.loaded.device,
                                   self.loaded.dtype, backend)
+        self.kv_cache.move_block = self.runner.move_block  # tables grow into consecutive blocks
         self.sampler = Sampler(self.loaded.device)
         self.speculator = make_speculator(config.speculative)
         vocab_size = model.dims.vocab_size

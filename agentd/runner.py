@@ -55,6 +55,12 @@ class ModelRunner:
                 kv[copy.dst, :, :copy.num_slots] = kv[copy.src, :, :copy.num_slots]
 
     @torch.inference_mode()
+    def move_block(self, src: int, dst: int) -> None:
+        """Copy block ``src``'s whole KV into block ``dst``, in every layer, now."""
+        for kv in self.kv_caches:
+            kv[dst] = kv[src]
+
+    @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> StepResult:
         decodes = [s for s in scheduled if len(s.token_ids) == 1]
         prefills = [s for s in scheduled if len(s.token_ids) > 1]

@@ -9,7 +9,7 @@ reference, so it never enters the free queue and can never be evicted.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from .hashing import BlockHash
@@ -79,6 +79,19 @@ class FreeBlockQueue:
             self._head.prev_free = block
         self._head = block
         self._num_blocks += 1
+
+    def replace(self, old: KVBlock, new: KVBlock) -> None:
+        """Put ``new`` (not queued) where ``old`` (queued) is, and unlink ``old``."""
+        new.prev_free, new.next_free = old.prev_free, old.next_free
+        if old.prev_free is None:
+            self._head = new
+        else:
+            old.prev_free.next_free = new
+        if old.next_free is None:
+            self._tail = new
+        else:
+            old.next_free.prev_free = new
+        old.prev_free = old.next_free = None
 
     def remove(self, block: KVBlock) -> None:
         """Unlink a block that is in the queue, from anywhere in it."""
@@ -162,11 +175,23 @@ class BlockPool:
         """Return the id of the block holding ``block_hash``, or None on a miss."""
         return self._cached_block_ids.get(block_hash)
 
-    def allocate(self, num_blocks: int) -> list[int]:
+    def allocate(self, num_blocks: int, after: int | None = None,
+                 move: Callable[[int, int], None] | None = None) -> list[int]:
         """Pop ``num_blocks`` blocks from the head of the free queue, evicting their hashes.
+
+        With ``after`` (the last block of the table being grown), each block is the one right
+        after the previous where that one is free, so a table is a run of consecutive blocks as
+        often as it can be (attention reads such a run in place, without gathering it). A free
+        block that holds a hash is only taken with ``move``: the head block is evicted as it
+        would have been, and ``move(src, dst)`` copies the wanted block's KV into it, which then
+        holds that hash in the wanted block's place in the LRU order; what is cached stays the
+        same as without ``after``.
 
         Args:
             num_blocks: how many blocks to hand out.
+            after: the block the first one should follow; ``None``: head order, as the queue
+                stands.
+            move: copies a block's KV into another (the runner's memory), at once.
 
         Returns:
             The block ids, each with ref_cnt 1.
@@ -178,14 +203,39 @@ class BlockPool:
             raise NoFreeBlocksError(f"asked for {num_blocks} blocks, {self.num_free} free")
         block_ids = []
         for _ in range(num_blocks):
-            block = self._free_queue.popleft()
-            if block.block_hash is not None:
-                self._num_cached_free -= 1
-                del self._cached_block_ids[block.block_hash]
-                block.block_hash = None
+            block = self._take(None if after is None else after + 1, move)
             block.ref_cnt = 1
             block_ids.append(block.block_id)
+            if after is not None:
+                after = block.block_id
         return block_ids
+
+    def _take(self, wanted_id: int | None, move: Callable[[int, int], None] | None) -> KVBlock:
+        """A free block out of the queue, hash-free: ``wanted_id`` where it can be (allocate)."""
+        wanted = (self._blocks[wanted_id] if wanted_id is not None and wanted_id < len(self._blocks)
+                  else None)
+        if wanted is None or wanted.ref_cnt > 0 or (wanted.block_hash is not None and move is None):
+            return self._evict(self._free_queue.popleft())
+        if wanted.block_hash is None:
+            self._free_queue.remove(wanted)
+            return wanted
+        head = self._free_queue.popleft()
+        if head is wanted:
+            return self._evict(head)
+        self._evict(head)
+        move(wanted.block_id, head.block_id)
+        self._free_queue.replace(wanted, head)
+        head.block_hash, wanted.block_hash = wanted.block_hash, None
+        self._cached_block_ids[head.block_hash] = head.block_id
+        return wanted
+
+    def _evict(self, block: KVBlock) -> KVBlock:
+        """Drop a block's hash as it leaves the free queue."""
+        if block.block_hash is not None:
+            self._num_cached_free -= 1
+            del self._cached_block_ids[block.block_hash]
+            block.block_hash = None
+        return block
 
     def free(self, block_ids: Iterable[int]) -> None:
         """Drop one reference per id, in order; blocks reaching 0 return to the free queue.

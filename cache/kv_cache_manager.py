@@ -7,7 +7,7 @@ an identical block), and ``allocate`` either succeeds entirely or changes nothin
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from .block_pool import BlockPool
@@ -51,6 +51,9 @@ class KVCacheManager:
         self.extra_key = extra_key
         self.pool = BlockPool(num_blocks, enable_caching=enable_caching)
         self._requests: dict[str, _RequestBlocks] = {}
+        # Copies a block's KV into another at once (the runner's): with it, a table grows into
+        # the block after its last even when that one holds a cached prefix (BlockPool.allocate).
+        self.move_block: Callable[[int, int], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -136,7 +139,10 @@ class KVCacheManager:
             if cached is not None:
                 state.block_hashes = list(cached.block_hashes)
             self._requests[request_id] = state
-        new_block_ids = self.pool.allocate(num_new)
+        new_block_ids = [] if state.block_ids or not num_new else self.pool.allocate(1)
+        last = (state.block_ids or new_block_ids or [None])[-1]
+        new_block_ids += self.pool.allocate(num_new - len(new_block_ids), after=last,
+                                            move=self.move_block)
         state.block_ids.extend(new_block_ids)
         return new_block_ids
 

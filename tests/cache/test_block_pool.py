@@ -159,3 +159,33 @@ def test_check_integrity_catches_corruption() -> None:
     pool._blocks[0].ref_cnt = 0  # not in the free queue, yet unreferenced
     with pytest.raises(AssertionError, match="block 0"):
         pool.check_integrity()
+
+
+def test_allocate_after_grows_a_table_into_the_next_block() -> None:
+    pool = BlockPool(5)
+    assert pool.allocate(2) == [0, 1]
+    assert pool.allocate(1, after=2) == [3]  # free and empty: taken out of head order
+    assert pool.free_block_ids() == [2, 4]
+    assert pool.allocate(2, after=4) == [2, 4]  # past the last block: the head, then 2 + 1 ...
+    pool.check_integrity()
+
+
+def test_allocate_after_moves_the_kv_of_a_cached_next_block() -> None:
+    pool = BlockPool(6)
+    ids = pool.allocate(4)  # an earlier request: a prefix 0 1, its own full block 2, and 3
+    pool.cache_full_blocks([0, 1, 2], [h(0), h(1), h(2)])
+    pool.free(reversed(ids))
+    pool.touch([0, 1])  # a new request hits the prefix
+    assert pool.free_block_ids() == [3, 4, 5, 2]
+    # without a way to move KV, a cached block is never taken out of LRU order
+    assert pool.allocate(1, after=1) == [3]
+    pool.free([3])
+    moves: list[tuple[int, int]] = []
+    assert pool.allocate(1, after=1, move=lambda src, dst: moves.append((src, dst))) == [2]
+    # the head (3) was evicted as head order would have; it now holds block 2's KV and hash,
+    # in block 2's place in the LRU order
+    assert moves == [(2, 3)]
+    assert pool.get_cached(h(2)) == 3 and pool.block_hash(2) is None
+    assert pool.free_block_ids() == [4, 5, 3]
+    assert pool.num_cached_free == 1
+    pool.check_integrity()

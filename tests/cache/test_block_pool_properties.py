@@ -21,6 +21,9 @@ class BlockPoolMachine(RuleBasedStateMachine):
         self.pool = BlockPool(NUM_BLOCKS)
         self.requests: list[list[int]] = []
         self.pins: list[list[tuple[int, bytes | None]]] = []
+        # What each block's memory holds: the hash it was registered with (a stand-in for KV),
+        # carried along by allocate's moves.
+        self.content: dict[int, bytes] = {}
 
     def model_ref_cnts(self) -> Counter[int]:
         refs = Counter(b for owner in self.requests for b in owner)
@@ -39,8 +42,37 @@ class BlockPoolMachine(RuleBasedStateMachine):
             raise AssertionError("allocate past num_free did not raise")
         block_ids = self.pool.allocate(num_blocks)
         assert block_ids == before[:num_blocks]
+        for block_id in block_ids:
+            self.content.pop(block_id, None)  # about to be written
         refs = self.model_ref_cnts()
         assert all(refs[b] == 0 for b in block_ids), "allocate handed out a referenced block"
+        self.requests.append(block_ids)
+
+    @rule(num_blocks=st.integers(0, NUM_BLOCKS), after=st.integers(0, NUM_BLOCKS - 1),
+          moves=st.booleans())
+    def allocate_after(self, num_blocks: int, after: int, moves: bool) -> None:
+        """A table grown after block ``after``: consecutive blocks where free; what is cached
+        stays cached, each hash with its content."""
+        if num_blocks > self.pool.num_free:
+            return
+        cached_before = {self.pool.block_hash(b) for b in self.pool.free_block_ids()
+                         if self.pool.block_hash(b) is not None}
+        num_uncached = self.pool.num_free - len(cached_before)
+
+        def move(src: int, dst: int) -> None:
+            assert self.pool.ref_cnt(src) == 0 and self.pool.ref_cnt(dst) == 0
+            self.content[dst] = self.content[src]
+
+        block_ids = self.pool.allocate(num_blocks, after=after, move=move if moves else None)
+        refs = self.model_ref_cnts()
+        assert all(refs[b] == 0 for b in block_ids), "allocate handed out a referenced block"
+        assert len(set(block_ids)) == len(block_ids)
+        for block_id in block_ids:
+            self.content.pop(block_id, None)  # about to be written
+        cached_after = {self.pool.block_hash(b) for b in self.pool.free_block_ids()
+                        if self.pool.block_hash(b) is not None}
+        # only as many hashes as the head order would have evicted are gone
+        assert len(cached_before - cached_after) <= max(0, num_blocks - num_uncached)
         self.requests.append(block_ids)
 
     @precondition(lambda self: self.requests)
@@ -54,6 +86,10 @@ class BlockPoolMachine(RuleBasedStateMachine):
             for b, k in zip(block_ids, keys, strict=False)
         ]
         self.pool.cache_full_blocks(block_ids, block_hashes)
+        for block_id in block_ids:
+            block_hash = self.pool.block_hash(block_id)
+            if block_hash is not None:
+                self.content.setdefault(block_id, block_hash)
 
     @precondition(lambda self: self.requests)
     @rule(data=st.data())
@@ -94,6 +130,13 @@ class BlockPoolMachine(RuleBasedStateMachine):
         refs = self.model_ref_cnts()
         for block_id in range(NUM_BLOCKS):
             assert self.pool.ref_cnt(block_id) == refs[block_id] >= 0
+
+    @invariant()
+    def every_hash_names_the_content_of_its_block(self) -> None:
+        for block_id in range(NUM_BLOCKS):
+            block_hash = self.pool.block_hash(block_id)
+            if block_hash is not None:
+                assert self.content.get(block_id) == block_hash
 
     @invariant()
     def pinned_blocks_are_never_evicted(self) -> None:

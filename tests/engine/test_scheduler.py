@@ -268,8 +268,9 @@ def test_pin_survives_eviction_pressure_that_evicts_an_equally_old_prefix(pinned
 
     h.add("pressure", prompt(900, 23), max_tokens=1)  # 6 blocks: evicts the 6 oldest free ones
     out = h.step()
-    # It takes the free queue's head: the pinned blocks 0 and 1 are not in it.
-    assert out.scheduled[0].block_table == ([5, 2, 6, 7, 4, 3] if pinned else [5, 2, 6, 7, 1, 0])
+    # It takes the free queue's six head blocks (the pinned blocks 0 and 1 are not in it), each
+    # the one after the previous where that one is free and empty (6 after 5, 7 after 6).
+    assert out.scheduled[0].block_table == ([5, 6, 7, 2, 4, 3] if pinned else [5, 6, 7, 2, 1, 0])
     lookup_a = h.kv_cache.find_cached_prefix(prompt_a)
     lookup_b = h.kv_cache.find_cached_prefix(prompt_b)
     if pinned:

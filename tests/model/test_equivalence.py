@@ -182,6 +182,34 @@ def test_greedy_in_one_batch_then_again_from_the_prefix_cache(case: Case) -> Non
     assert llm.engine.stats().num_blocks_used == 0
 
 
+def test_greedy_from_blocks_moved_so_that_tables_stay_consecutive(case: Case) -> None:
+    # Two turns after one shared prefix, one after the other: the second's table grows into
+    # the block after the prefix, which holds the first turn's cached KV; that KV moves to
+    # another block (BlockPool.allocate). The first turn then hits it there.
+    prefix = case.prompts[-1][:200]
+    turns = [prefix + case.prompts[5][:20], prefix + case.prompts[4][:20]]
+    expected = [oracle_greedy(case.hf_model, p, MAX_TOKENS) for p in turns]
+    llm = make_llm(case)
+    moves: list[tuple[int, int]] = []
+    move_block = llm.engine.kv_cache.move_block
+    llm.engine.kv_cache.move_block = lambda src, dst: (moves.append((src, dst)),
+                                                       move_block(src, dst))
+    tables: dict[str, list[int]] = {}
+    execute = llm.engine.runner.execute
+    llm.engine.runner.execute = lambda scheduled: (
+        tables.update({s.request_id: s.block_table for s in scheduled}), execute(scheduled))[1]
+    first, second, again = (llm.generate([p], GREEDY)[0] for p in (turns[0], turns[1], turns[0]))
+    assert [first.token_ids, second.token_ids, again.token_ids] == [*expected, expected[0]]
+    assert moves, "the second turn took the block after the prefix without moving its KV"
+    assert second.num_cached_tokens == len(prefix) // BLOCK_SIZE * BLOCK_SIZE
+    table = tables[second.request_id]
+    assert table == list(range(table[0], table[0] + len(table)))
+    # every full block of the first turn's prompt hit, the moved one included
+    assert again.num_cached_tokens == (len(turns[0]) - 1) // BLOCK_SIZE * BLOCK_SIZE
+    assert llm.engine.stats().num_blocks_used == 0
+    llm.engine.kv_cache.pool.check_integrity()
+
+
 def test_greedy_with_a_pool_so_small_that_requests_are_preempted(case: Case) -> None:
     model = make_llm(case).engine.runner.model
     bytes_per_block = ModelRunner.kv_bytes_per_block(model, BLOCK_SIZE, torch.float32)

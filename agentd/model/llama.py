@@ -106,6 +106,9 @@ def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
     return 1.0 / (theta**exponents), 1.0
 
 
+RopeTable = tuple[torch.Tensor, torch.Tensor]  # (cos, sin) at a step's positions
+
+
 class RotaryEmbedding(nn.Module):
     """Precomputed cos/sin table indexed by absolute position (rotate-half convention)."""
 
@@ -116,16 +119,24 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos() * scaling, persistent=False)
         self.register_buffer("sin", freqs.sin() * scaling, persistent=False)
 
-    def forward(self, positions: torch.Tensor, *tensors: torch.Tensor) -> list[torch.Tensor]:
-        # In the activations' dtype, as transformers does (cos/sin are cast, not the inputs).
-        dtype = tensors[0].dtype
-        cos = self.cos[positions].unsqueeze(1).to(dtype)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1).to(dtype)
+    def table(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTable:
+        """cos and sin at ``positions``, ``[T, 1, D/2]`` each: looked up once per step, used by
+        every layer. In the activations' dtype, as transformers does (cos/sin are cast, not the
+        inputs)."""
+        return (self.cos[positions].unsqueeze(1).to(dtype),
+                self.sin[positions].unsqueeze(1).to(dtype))
+
+    @staticmethod
+    def apply(table: RopeTable, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        cos, sin = table
         out = []
         for x in tensors:
             x1, x2 = x.chunk(2, dim=-1)
             out.append(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
         return out
+
+    def forward(self, positions: torch.Tensor, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        return self.apply(self.table(positions, tensors[0].dtype), *tensors)
 
 
 ONEDNN_CACHE_ENTRIES = 16  # a step's five layer shapes for three row counts
@@ -301,9 +312,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(dims.head_dim, dims.rms_norm_eps, device)
         self.scale = dims.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-                kv_cache: torch.Tensor, meta: AttentionMetadata,
-                backend: AttentionBackend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: RopeTable, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
         num_tokens, d = x.shape[0], self.dims
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(num_tokens, d.num_heads, d.head_dim)
@@ -311,7 +321,7 @@ class Attention(nn.Module):
         v = v.reshape(num_tokens, d.num_kv_heads, d.head_dim)
         if d.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+        q, k = RotaryEmbedding.apply(rope, q, k)
         backend.write_kv(k, v, kv_cache, meta.slot_mapping)
         num_decode = meta.num_decode_tokens
         if num_decode == num_tokens:
@@ -367,10 +377,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, device)
         self.mlp = MLP(dims, device)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rotary: RotaryEmbedding,
-                kv_cache: torch.Tensor, meta: AttentionMetadata,
-                backend: AttentionBackend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta, backend)
+    def forward(self, x: torch.Tensor, rope: RopeTable, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -399,8 +408,9 @@ class LlamaModel(nn.Module):
                 backend: AttentionBackend) -> torch.Tensor:
         """Returns final hidden states ``[num_tokens, hidden_size]`` (after the last norm)."""
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.table(positions, x.dtype)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, positions, self.rotary, kv_cache, meta, backend)
+            x = layer(x, rope, kv_cache, meta, backend)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

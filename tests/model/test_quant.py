@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import gguf
@@ -9,13 +10,14 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from agentd.config import EngineConfig
 from agentd.llm import LLM
-from agentd.model.dispatch import ACCURATE_FORMATS
+from agentd.model.dispatch import ACCURATE_FORMATS, calibrate
 from agentd.model.gguf_groups import int4_groups, read_int4_groups
 from agentd.model.gguf_index import read_index
-from agentd.model.isa import detect_isa
+from agentd.model.isa import CpuIsa, detect_isa
 from agentd.model.quant import (
     HalfLinear,
     Int4Linear,
@@ -186,3 +188,47 @@ def test_weights_auto_picks_an_accurate_format_and_bad_pairs_fail(tiny_model_fac
         EngineConfig(weights="float32", dtype="bfloat16")
     with pytest.raises(ValueError, match="prefill_weights must be keep or dequantize"):
         EngineConfig(weights="int4", prefill_weights="sometimes")
+
+
+class _TimedLayer(LowPrecisionLinear):
+    """A layer whose two paths cost known times: the kernel ``kernel_ms`` per row, the dense
+    path ``dense_ms`` whatever the rows; it counts its calls."""
+
+    kernel_name = "timed"
+
+    def __init__(self, kernel_ms: float, dense_ms: float) -> None:
+        super().__init__(8, 8, None)
+        self.kernel_ms, self.dense_ms = kernel_ms, dense_ms
+        self.dense_twin = nn.Identity()  # named a dense twin in the report
+        self.calls = 0
+
+    def kernel(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        time.sleep(self.kernel_ms * x.shape[0] / 1e3)
+        return x
+
+    def dense(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        time.sleep(self.dense_ms / 1e3)
+        return x
+
+
+def test_calibration_sweeps_every_layer_and_keeps_the_kernel_while_it_wins() -> None:
+    # kernel 1 ms a row vs dense 6 ms: it wins at 1 and 4 rows, loses at 8 -> "<= 4 rows";
+    # o_proj's kernel always wins (every row count), down_proj's never (0 rows).
+    costs = {"qkv_proj": (1.0, 6.0), "o_proj": (0.0, 3.0), "down_proj": (20.0, 1.0)}
+    blocks = nn.ModuleList(nn.ModuleDict({kind: _TimedLayer(*cost) for kind, cost in
+                                          costs.items()}) for _ in range(2))
+    model = nn.Module()
+    model.layers = blocks
+    isa = CpuIsa(("avx2",), "AVX2", bf16_gemm=False, amx=False, name="AVX2")
+    choices = calibrate(model, isa, max_rows=16)
+    assert {kind: c.max_kernel_rows for kind, c in choices.items()} == {
+        "qkv_proj": 4, "o_proj": None, "down_proj": 0}
+    assert [c.describe() for c in choices.values()] == [
+        "timed <= 4 rows, else dense twin (oneDNN)", "timed (all rows)",
+        "timed <= 0 rows, else dense twin (oneDNN)"]
+    assert all(layer.max_kernel_rows == choices[kind].max_kernel_rows
+               for block in blocks for kind, layer in block.items())
+    # every layer ran in every sweep (one warming, two timed), for each path at rows 1, 4, 8, 16
+    assert {layer.calls for block in blocks for layer in block.values()} == {4 * 2 * 3}

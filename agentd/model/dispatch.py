@@ -37,8 +37,8 @@ logger = logging.getLogger("agentd")
 WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8", "int4")
 # Formats whose greedy continuations matched the exact mode on >= 60% of the 24 agent prompts,
 # batched and alone, and whose logits stayed within the bf16-derived bound (README, "Weight
-# formats"; measured on AMX): int4 75% / 71%, float16 96% / 96%; bfloat16 (50% / 67%) and int8
-# (38% alone) miss it.
+# formats"; AMX, then AVX2): int4 75% / 71%, 83% / 79%; float16 96% / 96% on both; bfloat16
+# (50% batched on AMX, 58% on AVX2) and int8 (29%, 25% batched) miss it.
 ACCURATE_FORMATS = ("int4", "float16")
 CALIBRATION_ROWS = (1, 4, 8, 16, 32, 64, 128)
 CALIBRATION_LAYERS = 4  # layers of a kind that pick the dequantizing path's GEMM dtype

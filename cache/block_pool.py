@@ -184,8 +184,8 @@ class BlockPool:
         often as it can be (attention reads such a run in place, without gathering it). A free
         block that holds a hash is only taken with ``move``: the head block is evicted as it
         would have been, and ``move(src, dst)`` copies the wanted block's KV into it, which then
-        holds that hash in the wanted block's place in the LRU order; what is cached stays the
-        same as without ``after``.
+        holds that hash in the wanted block's place in the LRU order. Nothing that head order
+        would have kept cached is evicted.
 
         Args:
             num_blocks: how many blocks to hand out.

@@ -116,7 +116,7 @@ def _sweep_ms(order: list[tuple[str, LowPrecisionLinear]], paths: dict[str, str]
     that only warms, summed per kind. A whole sweep reads what a decode step reads: measured on
     a few layers instead, the fp32 twins stayed in a large L3 cache (300 MiB on this project's
     machine) and won at 8 rows, where in real steps they stream from memory and the 4-bit kernel
-    is 1.2x faster (decode at batch 8, AVX2: 77 vs 65 tokens/s)."""
+    is 1.2x faster (decode at batch 8, AVX2: 78.6 vs 64.7 tokens/s)."""
     inputs: dict[int, torch.Tensor] = {}
     best = {kind: float("inf") for kind in paths}
     for sweep in range(repeats + 1):

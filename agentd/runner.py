@@ -54,11 +54,9 @@ class ModelRunner:
             for kv in self.kv_caches:
                 kv[copy.dst, :, :copy.num_slots] = kv[copy.src, :, :copy.num_slots]
 
-    @torch.inference_mode()
     def move_block(self, src: int, dst: int) -> None:
         """Copy block ``src``'s whole KV into block ``dst``, in every layer, now."""
-        for kv in self.kv_caches:
-            kv[dst] = kv[src]
+        self.copy_kv([KVCopy(src, dst, self.block_size)])
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> StepResult:

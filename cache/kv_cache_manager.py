@@ -139,8 +139,14 @@ class KVCacheManager:
             if cached is not None:
                 state.block_hashes = list(cached.block_hashes)
             self._requests[request_id] = state
-        new_block_ids = [] if state.block_ids or not num_new else self.pool.allocate(1)
-        last = (state.block_ids or new_block_ids or [None])[-1]
+        new_block_ids: list[int] = []
+        if state.block_ids:
+            last = state.block_ids[-1]
+        elif num_new:  # a table's first block is the queue's head; the rest follow it
+            new_block_ids = self.pool.allocate(1)
+            last = new_block_ids[0]
+        else:
+            last = None
         new_block_ids += self.pool.allocate(num_new - len(new_block_ids), after=last,
                                             move=self.move_block)
         state.block_ids.extend(new_block_ids)

@@ -85,11 +85,6 @@ def _time_ms(fn: Callable[[], object], repeats: int = 3) -> float:
     return best * 1e3
 
 
-def _layers_of(model: nn.Module, kind: str) -> list[LowPrecisionLinear]:
-    return [m for name, m in model.named_modules()
-            if name.rsplit(".", 1)[-1] == kind and isinstance(m, LowPrecisionLinear)]
-
-
 def _pass_ms(layers: list[LowPrecisionLinear], path: str, rows: int, repeats: int = 2) -> float:
     """Time one ``path`` (``kernel`` or ``dense``) product through every layer of a kind."""
     x = torch.randn(rows, layers[0].in_features)
@@ -141,9 +136,10 @@ def calibrate(model: nn.Module, isa: CpuIsa, max_rows: int) -> dict[str, KernelC
     kind keeps its kernel for every row count up to the last one before its dense path won."""
     order = [(name.rsplit(".", 1)[-1], m) for name, m in model.named_modules()
              if isinstance(m, LowPrecisionLinear) and name.rsplit(".", 1)[-1] in LINEAR_KINDS]
-    kinds = [kind for kind in LINEAR_KINDS if any(k == kind for k, _ in order)]
-    for kind in kinds:
-        layers = _layers_of(model, kind)
+    by_kind = {kind: [m for k, m in order if k == kind] for kind in LINEAR_KINDS}
+    by_kind = {kind: layers for kind, layers in by_kind.items() if layers}
+    kinds = list(by_kind)
+    for layers in by_kind.values():
         if layers[0].dense_twin is None:
             _pick_dense_dtype(layers[:CALIBRATION_LAYERS], isa, max_rows)
             for layer in layers:
@@ -168,7 +164,7 @@ def calibrate(model: nn.Module, isa: CpuIsa, max_rows: int) -> dict[str, KernelC
     choices: dict[str, KernelChoice] = {}
     for kind in kinds:
         limit = None if kind in open_kinds else limits[kind]  # never lost: every row count
-        layers = _layers_of(model, kind)
+        layers = by_kind[kind]
         for layer in layers:
             layer.max_kernel_rows = limit
         dense_name = ("dense twin (oneDNN)" if layers[0].dense_twin is not None else

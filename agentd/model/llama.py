@@ -135,9 +135,6 @@ class RotaryEmbedding(nn.Module):
             out.append(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
         return out
 
-    def forward(self, positions: torch.Tensor, *tensors: torch.Tensor) -> list[torch.Tensor]:
-        return self.apply(self.table(positions, tensors[0].dtype), *tensors)
-
 
 ONEDNN_CACHE_ENTRIES = 16  # a step's five layer shapes for three row counts
 # bfloat16 attention runs as batched GEMMs over 128-row tiles (kernels.prefill_attention), two

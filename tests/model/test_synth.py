@@ -128,3 +128,21 @@ def test_tokenizer_keys_equal_the_default_models(tmp_path: Path) -> None:
             "tokenizer.chat_template"} <= default.keys()
     assert ours == default
     assert len(ours["tokenizer.ggml.tokens"].value) == 49152
+
+
+@pytest.mark.parametrize("shape_name, more_bits", [
+    ("1.7b", {0, 1, 2, 5, 8, 11, 14, 17, 20, 21, 22, 23}),
+    ("8b", {0, 1, 2, 3, 6, 9, 12, 15, 18, 21, 24, 27, 28, 29, 30, 31}),
+])
+def test_q4_k_m_gives_q6_k_to_the_layers_llama_quantize_does(shape_name: str,
+                                                             more_bits: set[int]) -> None:
+    # The sets are what llama-quantize (llama.cpp 0c1e570) wrote for F16 files of these layer
+    # counts: attn_v and ffn_down of the first and last eighth and of every third layer between.
+    plans = plan_tensors(SHAPES[shape_name], "Q4_K_M", vocab_size=49152)
+    for kind in ("attn_v", "ffn_down"):
+        q6 = {int(p.name.split(".")[1]) for p in plans
+              if p.name.endswith(f"{kind}.weight") and p.qtype == QT.Q6_K}
+        assert q6 == more_bits, kind
+    heads = [p for p in plans if p.name in ("token_embd.weight", "output.weight")]
+    assert [p.qtype for p in heads] == ([QT.Q6_K] if SHAPES[shape_name].tied
+                                        else [QT.Q4_K, QT.Q6_K])

@@ -73,12 +73,15 @@ class EngineConfig:
     model: str | None = None
     tokenizer: str | None = None
     device: str = "auto"
-    dtype: str = "auto"  # activations, KV cache and attention (and the weights, by default)
+    dtype: str = "auto"  # activations and attention (and by default the weights; KV: auto)
     weights: str | None = None  # linear layers' format; None: the same as dtype (see __post_init__)
     prefill_weights: str = "keep"  # low-precision weights' big products: "keep" a dense twin, or
     # "dequantize" per call (no second copy; slower prefill)
     block_size: int = 16
-    kv_cache_memory_bytes: int = 384 * 2**20  # 8,736 tokens of the default model
+    # None: max_model_len tokens for each of max_num_seqs sequences within a share of the free
+    # memory (agentd.kv_sizing); a size sets the pool
+    kv_cache_memory_bytes: int | None = None
+    kv_cache_dtype: str = "auto"  # the pool's dtype; attention math stays fp32 (auto: kv_sizing)
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
@@ -100,8 +103,7 @@ class EngineConfig:
         self._check_weights()
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, not {self.block_size}")
-        if self.kv_cache_memory_bytes <= 0:
-            raise ValueError("kv_cache_memory_bytes must be positive")
+        self._check_kv_cache()
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, not {self.max_num_seqs}")
         if self.max_num_batched_tokens < self.block_size:
@@ -123,6 +125,13 @@ class EngineConfig:
             raise ValueError(f"cpu_linear must be onednn or torch, not {self.cpu_linear!r}")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be >= 1, not {self.num_threads}")
+
+    def _check_kv_cache(self) -> None:
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError("kv_cache_memory_bytes must be positive")
+        if self.kv_cache_dtype not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError(f"kv_cache_dtype must be auto, float32, float16 or bfloat16, not "
+                             f"{self.kv_cache_dtype!r}")
 
     def _check_weights(self) -> None:
         formats = ("auto", "float32", "bfloat16", "float16", "int8", "int4")

@@ -20,7 +20,20 @@ from agentd.cache import BlockHash, KVCacheManager, PinKey
 from agentd.config import EngineConfig
 from agentd.detokenizer import IncrementalDetokenizer
 from agentd.kernels import get_attention_backend
+from agentd.kv_sizing import (
+    KVPlan,
+    KVRequest,
+    MemoryProbe,
+    dtype_name,
+    free_memory_bytes,
+    kv_fingerprint,
+    plan_kv_cache,
+    proc_status_bytes,
+    resolve_kv_dtype,
+    tensor_bytes,
+)
 from agentd.model.build import LoadedModel, load_model
+from agentd.model.llama import ModelDims
 from agentd.outputs import StreamDelta
 from agentd.pins import PendingPin, PinManager, PinResult
 from agentd.request import Request, RequestStatus
@@ -68,6 +81,31 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     num_tail_blocks: int = 0  # stored conversations' last partial blocks (agentd.tails)
+    kv_cache: KVPlan | None = None  # the pool's dtype and size, the context and any cap reason
+    load_s: float | None = None  # how long loading the model took (None: it was handed in)
+
+
+def _model_len(dims: ModelDims) -> int:
+    """The longest context the model attends over (full attention equals a sliding window up
+    to the window's length, not past it)."""
+    if dims.sliding_window is not None:
+        return min(dims.max_position_embeddings, dims.sliding_window)
+    return dims.max_position_embeddings
+
+
+def _load_timed(config: EngineConfig) -> tuple[LoadedModel, float, int]:
+    """Load the model; also how long it took and, on the CPU, how many of its weights' bytes
+    are not in anonymous memory (memory-mapped, or never touched): ``MemAvailable`` counts those
+    as free, yet they take memory once decode reads them. (A GPU's free memory already excludes
+    the weights on it.)"""
+    anon_before = proc_status_bytes("RssAnon") or 0
+    start = time.perf_counter()
+    loaded = load_model(config)
+    load_s = time.perf_counter() - start
+    if loaded.device.type != "cpu":
+        return loaded, load_s, 0
+    grown = max((proc_status_bytes("RssAnon") or 0) - anon_before, 0)
+    return loaded, load_s, max(tensor_bytes(loaded.model) - grown, 0)
 
 
 @dataclass
@@ -79,29 +117,41 @@ class _Tracked:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
+                 memory_probe: MemoryProbe = free_memory_bytes) -> None:
+        """``memory_probe``: the free memory the auto-sized pool is budgeted from (injectable,
+        so a test can size for any machine)."""
         self.config = config
-        self.loaded = loaded or load_model(config)
+        self.load_s: float | None = None  # how long load_model took here (None: handed one)
+        unresident = 0
+        if loaded is None:
+            loaded, self.load_s, unresident = _load_timed(config)
+        self.loaded = loaded
         self.tokenizer = self.loaded.tokenizer
         self.model_name = self.loaded.files.name
         model = self.loaded.model
         block_size = config.block_size
-        bytes_per_block = ModelRunner.kv_bytes_per_block(model, block_size, self.loaded.dtype)
-        self.num_blocks = config.kv_cache_memory_bytes // bytes_per_block
-        if self.num_blocks < 2:
-            raise ValueError(
-                f"kv cache memory of {config.kv_cache_memory_bytes} bytes holds fewer than 2 "
-                f"blocks of {bytes_per_block} bytes; raise --kv-cache-memory"
-            )
-        self.max_model_len = self._max_model_len()
+        kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, loaded.dtype, loaded.weights,
+                                    loaded.device)
+        # The pool's content is keyed by what produced it, its dtype included.
+        self.fingerprint = kv_fingerprint(loaded.fingerprint, loaded.dtype, kv_dtype)
+        free_bytes = memory_probe(loaded.device) if config.kv_cache_memory_bytes is None \
+            else None
+        self.kv_plan = plan_kv_cache(KVRequest(
+            dtype_name(kv_dtype), block_size,
+            ModelRunner.kv_bytes_per_block(model, block_size, kv_dtype),
+            _model_len(model.dims), config.max_num_seqs, config.max_model_len,
+            config.kv_cache_memory_bytes), free_bytes, unresident)
+        self.num_blocks = self.kv_plan.num_blocks
+        self.max_model_len = self.kv_plan.max_model_len
         backend = get_attention_backend(config.attention_backend, self.loaded.device)
         self.kv_cache = KVCacheManager(self.num_blocks, block_size, config.enable_prefix_caching,
-                                       extra_key=self.loaded.fingerprint.encode())
+                                       extra_key=self.fingerprint.encode())
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len,
                                    self.loaded.eos_token_ids)
         self.runner = ModelRunner(model, self.num_blocks, block_size, self.loaded.device,
-                                  self.loaded.dtype, backend)
+                                  kv_dtype, backend)
         self.kv_cache.move_block = self.runner.move_block  # tables grow into consecutive blocks
         self.sampler = Sampler(self.loaded.device)
         self.speculator = make_speculator(config.speculative)
@@ -121,24 +171,10 @@ class LLMEngine:
         self._ids = itertools.count()
         self._totals = {"prompt": 0, "generation": 0, "finished": 0, "steps": 0, "model": 0,
                         "jump_forward": 0}
-        logger.info("kv cache: %d blocks of %d tokens (%d tokens), max_model_len %d, "
-                    "attention backend %s", self.num_blocks, block_size,
-                    self.num_blocks * block_size, self.max_model_len, backend.name)
-
-    def _max_model_len(self) -> int:
-        dims = self.loaded.model.dims
-        capacity = self.num_blocks * self.config.block_size
-        limit = min(dims.max_position_embeddings, capacity)
-        if dims.sliding_window is not None:
-            limit = min(limit, dims.sliding_window)  # full attention equals the window below it
-        asked = self.config.max_model_len
-        if asked is not None and asked > limit:
-            raise ValueError(
-                f"max_model_len {asked} exceeds what this model and pool allow ({limit} tokens: "
-                f"model limit {dims.max_position_embeddings}, pool {capacity}); raise "
-                "--kv-cache-memory or lower --max-model-len"
-            )
-        return asked or limit
+        if self.kv_plan.cap_reason is not None:
+            logger.warning("max_model_len %d, below the model's %d: %s", self.max_model_len,
+                           self.kv_plan.model_len, self.kv_plan.cap_reason)
+        logger.info("%s; attention backend %s", self.kv_plan.describe(), backend.name)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, cache_salt: str | None = None,
@@ -209,7 +245,7 @@ class LLMEngine:
         pending = PendingPin(name, list(token_ids), ttl_s, dict(meta or {}), time.monotonic(),
                              owner=owner, cache_salt=cache_salt)
         return self.pins.restore_snapshot(pending, self.runner.kv_caches, payload,
-                                          self.loaded.fingerprint)
+                                          self.fingerprint)
 
     def pin_snapshot_shape(self, key: PinKey | str) -> tuple[tuple[int, ...], torch.dtype]:
         return self.pins.snapshot_shape(self.pins.registry.get(key), self.runner.kv_caches)
@@ -218,7 +254,7 @@ class LLMEngine:
         """A copy of the pin's KV (into ``out`` when it fits) and what identifies it, for a
         snapshot written elsewhere."""
         return self.pins.gather_snapshot(self.pins.registry.get(key), self.runner.kv_caches,
-                                         self.loaded.fingerprint, out)
+                                         self.fingerprint, out)
 
     def unpin(self, key: PinKey | str) -> None:
         """Drop a pin; its blocks become ordinary cached blocks. Raises PinNotFoundError."""
@@ -421,4 +457,6 @@ class LLMEngine:
             spec_num_draft_tokens=self.speculator.stats.num_draft_tokens,
             spec_num_accepted_tokens=self.speculator.stats.num_accepted_tokens,
             num_tail_blocks=len(self.tails),
+            kv_cache=self.kv_plan,
+            load_s=self.load_s,
         )

@@ -428,6 +428,9 @@ def _check_snapshot(payload: dict[str, Any], pending: PendingPin, kv_caches: lis
     if not isinstance(kv, torch.Tensor) or tuple(kv.shape) != (
             len(kv_caches), num_blocks, *kv_caches[0].shape[1:]):
         raise SnapshotMismatch("its KV tensor has the wrong shape for this model and pool")
+    if kv.dtype != kv_caches[0].dtype:  # the fingerprint says so too; never convert silently
+        raise SnapshotMismatch(f"its KV is {kv.dtype}, the pool's {kv_caches[0].dtype} "
+                               "(another --kv-cache-dtype)")
     return kv
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from agentd.kernels import AttentionBackend, attention_step
@@ -27,9 +28,24 @@ class StepResult:
     num_tokens: int  # tokens that went through the model this step
 
 
+_NUMPY_TWINS = {torch.float32: np.float32, torch.float16: np.float16,
+                torch.bfloat16: np.uint16}  # numpy has no bfloat16: its bits, viewed
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros whose pages cost RSS only once written. On CPU numpy's zeros is ``calloc``, which
+    maps large sizes to fresh zero pages, faulted in at first write; ``torch.zeros`` writes every
+    byte, so a pool sized for the whole context was resident at start however little was used.
+    Zeros, not ``empty``: kernels read a partial block's unused slots (masked: 0 x NaN is NaN)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.from_numpy(np.zeros(shape, dtype=_NUMPY_TWINS[dtype])).view(dtype)
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int,
-                 device: torch.device, dtype: torch.dtype, backend: AttentionBackend) -> None:
+                 device: torch.device, kv_dtype: torch.dtype, backend: AttentionBackend) -> None:
+        """``kv_dtype``: what the pool stores; attention upcasts what it reads to its own."""
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -38,7 +54,7 @@ class ModelRunner:
         # Logically [num_blocks, 2, B, Hkv, D]; stored as all keys, then all values, so that a
         # run of blocks' keys (or values) is one contiguous slice the CPU attention reads in place.
         shape = (2, num_blocks, block_size, dims.num_kv_heads, dims.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=dtype, device=device).transpose(0, 1)
+        self.kv_caches = [lazy_zeros(shape, kv_dtype, device).transpose(0, 1)
                           for _ in range(dims.num_layers)]
 
     @staticmethod

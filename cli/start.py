@@ -50,8 +50,16 @@ def _option(name: str, **kwargs: Any) -> Any:
 @click.option("--detach", is_flag=True,
               help="Run in the background (pid and log in the state dir); return once ready.")
 @state_dir_option
-@_option("--kv-cache-memory", default="384MiB",
-         help="KV block pool size, e.g. 384MiB or 2GiB (384MiB: 8,736 default-model tokens).")
+@_option("--kv-cache-memory", default=None,
+         help="KV block pool size, e.g. 512MiB or 8GiB [default: room for --max-model-len "
+              "tokens for each of --max-num-seqs requests, within half the memory free at "
+              "start; a context that does not fit even once is capped, and the log says why]. "
+              "The pool costs memory only as it fills.")
+@_option("--kv-cache-dtype", default=_DEFAULTS["kv_cache_dtype"],
+         type=click.Choice(["auto", "float32", "float16", "bfloat16"]),
+         help="What the KV pool stores; attention math stays fp32. auto: float32 in the exact "
+              "mode (float32 --dtype and --weights), the activations' dtype when narrower "
+              "(CUDA), float16 with low-precision weights (half the bytes per token).")
 @_option("--block-size", default=_DEFAULTS["block_size"], type=int,
          help="Tokens per KV block (8, 16, 32, 64 or 128).")
 @_option("--max-num-seqs", default=_DEFAULTS["max_num_seqs"], type=int,
@@ -59,7 +67,7 @@ def _option(name: str, **kwargs: Any) -> Any:
 @_option("--max-num-batched-tokens", default=_DEFAULTS["max_num_batched_tokens"], type=int,
          help="Token budget of one engine step (prefill chunks + decodes).")
 @_option("--max-model-len", default=None, type=int,
-         help="Context length [default: what the model and pool allow].")
+         help="Context length [default: the model's, unless the KV pool cannot hold it].")
 @_option("--max-pinned-fraction", default=_DEFAULTS["max_pinned_fraction"], type=float,
          help="Most of the pool that pins and retained prefixes (cache control) may hold "
               "together; pins come first.")
@@ -67,7 +75,8 @@ def _option(name: str, **kwargs: Any) -> Any:
          help="Where the model runs.")
 @_option("--dtype", default=_DEFAULTS["dtype"],
          type=click.Choice(["auto", "float32", "float16", "bfloat16"]),
-         help="Activations, KV cache and attention (and the weights unless --weights). auto: "
+         help="Activations and attention (and the weights unless --weights, the KV cache "
+              "unless --kv-cache-dtype). auto: "
               "float32 on CPU (exact against transformers), bfloat16 on CUDA. bfloat16 on CPUs "
               "with AVX512-BF16 or AMX: faster (prefill ~2x on a 2-core AMD EPYC), half the KV "
               "memory per token.")
@@ -167,6 +176,7 @@ def command(**params: Any) -> None:
         detach([*_child_args(params), "--log-file", str(paths.log_file)],
                ",".join(api_keys(params)) or None, paths, url,
                admin_key=",".join(api_keys(params, "admin_key")) or None)
+        _echo_startup(url, (api_keys(params, "admin_key") or api_keys(params) or (None,))[0])
         return
     _setup_logging(params["log_level"])
     paths.write_pid(os.getpid())
@@ -183,6 +193,21 @@ def command(**params: Any) -> None:
         sys.exit(status)
 
 
+def _echo_startup(url: str, key: str | None) -> None:
+    """A detached daemon's load time, memory, context and KV pool, as ``agentd status`` shows
+    them (a foreground daemon logs the same in its ready line)."""
+    from agentd.cli._client import DaemonClient
+    from agentd.cli.status import startup_rows
+
+    try:
+        response = DaemonClient(url, api_key=key or "").request("GET", "/v1/stats")
+    except click.ClickException:
+        return
+    if response.is_success:
+        for name, value in startup_rows(response.json()):
+            click.echo(f"  {name}: {value}")
+
+
 def engine_config(params: dict[str, Any]) -> EngineConfig:
     """Build the engine config; a bad value is one line naming the option."""
     try:
@@ -190,7 +215,9 @@ def engine_config(params: dict[str, Any]) -> EngineConfig:
             model=params["model"], tokenizer=params["tokenizer"], device=params["device"],
             dtype=params["dtype"], weights=params["weights"],
             prefill_weights=params["prefill_weights"], block_size=params["block_size"],
-            kv_cache_memory_bytes=parse_size(params["kv_cache_memory"]),
+            kv_cache_memory_bytes=None if params["kv_cache_memory"] is None else
+            parse_size(params["kv_cache_memory"]),
+            kv_cache_dtype=params["kv_cache_dtype"],
             max_num_seqs=params["max_num_seqs"],
             max_num_batched_tokens=params["max_num_batched_tokens"],
             max_model_len=params["max_model_len"],

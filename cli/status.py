@@ -72,6 +72,8 @@ def _print_table(report: dict[str, Any]) -> None:
 def _stats_rows(table: Any, s: dict[str, Any]) -> None:
     total = s["num_blocks_total"]
     table.add_row("model", f"{s['model']} (max_model_len {s['max_model_len']})")
+    for name, value in startup_rows(s):
+        table.add_row(name, value)
     if compute := s.get("compute"):
         table.add_row("compute", f"{compute.get('isa') or compute['device']} · dtype "
                                  f"{compute['dtype']} · weights {compute['weights']}")
@@ -94,6 +96,38 @@ def _stats_rows(table: Any, s: dict[str, Any]) -> None:
     table.add_row("prefix cache", f"{hits} of {queries} prompt tokens hit{rate}")
     table.add_row("tokens", f"{s['prompt_tokens_total']} prompt, "
                             f"{s['generation_tokens_total']} generated")
+
+
+def startup_rows(s: dict[str, Any]) -> list[tuple[str, str]]:
+    """Load time, memory, context (and why it is capped) and the KV pool, from ``/v1/stats``;
+    rows a daemon without those figures does not report are left out."""
+    rows = []
+    if s.get("load_s") is not None:
+        rows.append(("loaded in", f"{s['load_s']:.1f} s"))
+    memory = s.get("memory") or {}
+    if memory.get("rss_bytes") is not None:
+        rows.append(("memory", f"RSS {format_bytes(memory['rss_bytes'])}, peak "
+                               f"{format_bytes(memory.get('peak_rss_bytes'))}"))
+    kv = s.get("kv_cache")
+    if kv:
+        context = f"{kv['max_model_len']:,} tokens"
+        if kv.get("cap_reason"):
+            context += f", capped below the model's {kv['model_len']:,}: {kv['cap_reason']}"
+        rows.append(("context", context))
+        budget = "set by --kv-cache-memory" if kv.get("budget_bytes") is None else \
+            f"budget {format_bytes(kv['budget_bytes'])}"
+        rows.append(("kv cache", f"{kv['dtype']} · {kv['num_tokens']:,} tokens · "
+                                 f"{format_bytes(kv['num_bytes'])} ({kv['bytes_per_token']:,} "
+                                 f"bytes a token; {budget}; resident as it fills)"))
+    return rows
+
+
+def format_bytes(num_bytes: int | None) -> str:
+    if num_bytes is None:
+        return "?"
+    if num_bytes >= 2**30:
+        return f"{num_bytes / 2**30:.1f} GiB"
+    return f"{num_bytes / 2**20:,.0f} MiB"
 
 
 def threads_note(num_threads: int, is_default: bool) -> str:

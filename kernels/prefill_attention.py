@@ -116,7 +116,10 @@ def torch_prefill_attention(
             queries = query[call.rows[0][0]:call.rows[0][1]]
         else:
             queries = torch.cat([query[start:end] for start, end in call.rows])
-        if low_precision:
+        if low_precision:  # GEMMs in the query's dtype: a pool of another dtype is cast per call
+            keys, values = keys.to(query.dtype), values.to(query.dtype)
+            if shared is not None:
+                shared = (shared[0].to(query.dtype), shared[1].to(query.dtype))
             attn = torch.cat([matmul_attention(rows, k, v, scale, cached, shared) for rows, k, v,
                               cached in _each_chunk(queries, keys, values, call.chunks)])
         else:

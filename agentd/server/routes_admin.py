@@ -42,6 +42,13 @@ def _num_threads() -> int:
     return torch.get_num_threads()
 
 
+def _memory() -> dict[str, int | None]:
+    """The daemon's resident memory now and its peak since start (``/proc/self/status``)."""
+    from agentd.kv_sizing import proc_status_bytes
+
+    return {"rss_bytes": proc_status_bytes("VmRSS"), "peak_rss_bytes": proc_status_bytes("VmHWM")}
+
+
 def _prompt_near_misses(server: Any) -> dict[str, Any]:
     """Cache-busters found between a client's own prompts, by ``prompt_cache_key``."""
     history = server.prompt_history
@@ -75,6 +82,7 @@ class AdminController(Controller):
             "version": __version__,
             "num_threads": _num_threads(),
             "num_threads_default": server.config.num_threads is None,
+            "memory": _memory(),
             **stats_report(engine.stats(), engine.pin_summary(), server.metrics.recent,
                            pins.restore_report, pins.last_persist_error),
             "by_key": server.key_stats.report(),

@@ -42,6 +42,7 @@ from agentd.server.wires.response_store import ResponseStore
 
 if TYPE_CHECKING:
     from agentd.async_engine import AsyncEngine
+    from agentd.engine import LLMEngine
     from agentd.pin_service import PinService
     from agentd.server.prompt_history import PromptHistory
 
@@ -98,6 +99,23 @@ class ServerSettings:
     def is_operator(self, key: str) -> bool:
         """Admin keys are; with a single tenant (one key, or a shared cache) every key is."""
         return key in self.admin_keys or not self.per_key_cache
+
+
+def ready_summary(engine: LLMEngine) -> str:
+    """What ``agentd start`` says once ready: the load time, memory, context and KV pool."""
+    from agentd.kv_sizing import format_bytes, proc_status_bytes
+
+    plan = engine.kv_plan
+    rss, peak = proc_status_bytes("VmRSS"), proc_status_bytes("VmHWM")
+    parts = [f"model {engine.model_name}"
+             + ("" if engine.load_s is None else f" loaded in {engine.load_s:.1f} s"),
+             f"RSS {format_bytes(rss)} (peak {format_bytes(peak)})" if rss and peak else
+             "RSS unknown",
+             f"context {plan.max_model_len:,} tokens"
+             + (f" (capped: {plan.cap_reason})" if plan.cap_reason else ""),
+             f"KV {plan.dtype}, pool {plan.num_tokens:,} tokens = {format_bytes(plan.num_bytes)} "
+             "(resident as it fills)"]
+    return "; ".join(parts)
 
 
 class ServerState:
@@ -158,7 +176,7 @@ class ServerState:
         asyncio.run(self.restore_pins(pins))  # a private loop: pins hit before we say ready
         self.pins = pins
         self.engine = engine
-        logger.info("ready: model %s, max_model_len %d", engine.model_name, engine.max_model_len)
+        logger.info("ready: %s", ready_summary(engine.engine))
 
     def _pin_service(self, engine: AsyncEngine) -> PinService:
         from agentd.pin_service import PinService

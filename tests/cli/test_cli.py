@@ -60,6 +60,7 @@ def test_help_imports_neither_torch_transformers_nor_litestar() -> None:
 @pytest.mark.parametrize(("args", "needle"), [
     (["--block-size", "7"], "--block-size must be one of"),
     (["--kv-cache-memory", "lots"], "cannot parse size 'lots'"),
+    (["--kv-cache-dtype", "int8"], "'int8' is not one of 'auto', 'float32', 'float16'"),
     (["--max-num-seqs", "0"], "--max-num-seqs must be >= 1"),
     (["--port", "http"], "Invalid value for '--port'"),
     (["--bogus"], "No such option '--bogus'"),
@@ -175,6 +176,32 @@ def test_detach_status_stop_round_trip(runner: CliRunner, detached: dict) -> Non
     assert f"agentd stopped (pid {pid})" in stop.output
     assert not (state / "agentd.pid").exists() and not (state / "daemon.json").exists()
     assert runner.invoke(main, ["status"]).exit_code == 3
+
+
+def test_start_help_lists_the_kv_cache_dtype_and_the_auto_pool(runner: CliRunner) -> None:
+    help_text = " ".join(runner.invoke(main, ["start", "--help"]).output.split())
+    assert "--kv-cache-dtype [auto|float32|float16|bfloat16]" in help_text, help_text
+    assert "attention math stays fp32" in help_text and "AGENTD_KV_CACHE_DTYPE" in help_text
+    assert "[default: room for --max-model-len tokens for each of --max-num-seqs requests, " \
+        "within half the memory free at start" in help_text, help_text
+
+
+def test_status_shows_load_time_memory_context_and_kv_pool() -> None:
+    from agentd.cli.status import startup_rows
+
+    kv = {"dtype": "float16", "num_tokens": 75360, "num_bytes": 75360 * 131072,
+          "bytes_per_token": 131072, "model_len": 131072, "max_model_len": 75360,
+          "budget_bytes": 9878424780, "cap_reason": "the model's context of 131,072 tokens ..."}
+    rows = dict(startup_rows({"load_s": 2.345, "kv_cache": kv,
+                              "memory": {"rss_bytes": 900 * 2**20, "peak_rss_bytes": 2**31}}))
+    assert rows == {
+        "loaded in": "2.3 s",
+        "memory": "RSS 900 MiB, peak 2.0 GiB",
+        "context": "75,360 tokens, capped below the model's 131,072: the model's context of "
+                   "131,072 tokens ...",
+        "kv cache": "float16 · 75,360 tokens · 9.2 GiB (131,072 bytes a token; budget 9.2 GiB; "
+                    "resident as it fills)"}
+    assert startup_rows({"model": "an older daemon"}) == []
 
 
 def test_start_help_says_each_daemon_takes_every_core(runner: CliRunner) -> None:

@@ -1,0 +1,61 @@
+// Helpers shared by the K-quant kernel files (kquants_scalar/avx2/avx512.cpp): the fp16 field
+// decode and the unpacking of Q4_K/Q5_K's 6-bit scales and minimums.
+//
+// Invariant: everything here has internal linkage (an anonymous namespace), so each ISA file
+// compiles its own copy under its own target pragma and no instruction set leaks across files
+// through the linker's choice of one inline definition.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "ggml_blocks.h"
+
+namespace agentd_cpu {
+namespace {
+
+// Exact fp16 -> fp32 for every input, subnormals, infinities and NaNs included.
+inline float kq_fp16_to_fp32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  const uint32_t mant = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0x1fu) {
+    bits = sign | 0x7f800000u | (mant << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112u) << 23) | (mant << 13);  // rebias 15 -> 127
+  } else {
+    // Zero or subnormal: mant * 2^-24, exact in fp32 (mant has at most 10 bits).
+    const float mag = static_cast<float>(mant) * 5.9604644775390625e-8f;
+    uint32_t mag_bits;
+    std::memcpy(&mag_bits, &mag, 4);
+    bits = sign | mag_bits;
+  }
+  float out;
+  std::memcpy(&out, &bits, 4);
+  return out;
+}
+
+// The eight 6-bit scales and eight 6-bit minimums of a Q4_K/Q5_K super-block, one byte each,
+// as two little-endian 64-bit words (byte j = sub-block j). Four bytes at a time: bytes 0-3 hold
+// the low six bits of scales 0-3 (their top two bits are bits 4-5 of scales 4-7), bytes 4-7 the
+// same for minimums, bytes 8-11 the low nibbles of scales 4-7 and (high nibbles) minimums 4-7.
+struct KqScaleMins {
+  uint64_t scales, mins;
+};
+
+inline KqScaleMins kq_unpack_scale_mins(const uint8_t* packed) {
+  uint32_t w[3];
+  std::memcpy(w, packed, 12);
+  const uint32_t lo6 = 0x3f3f3f3fu, lo4 = 0x0f0f0f0fu, lo2 = 0x03030303u;
+  const uint32_t sc_lo = w[0] & lo6;
+  const uint32_t mn_lo = w[1] & lo6;
+  const uint32_t sc_hi = (w[2] & lo4) | (((w[0] >> 6) & lo2) << 4);
+  const uint32_t mn_hi = ((w[2] >> 4) & lo4) | (((w[1] >> 6) & lo2) << 4);
+  return {sc_lo | static_cast<uint64_t>(sc_hi) << 32, mn_lo | static_cast<uint64_t>(mn_hi) << 32};
+}
+
+inline uint8_t kq_byte(uint64_t word, int j) { return static_cast<uint8_t>(word >> (8 * j)); }
+
+}  // namespace
+}  // namespace agentd_cpu

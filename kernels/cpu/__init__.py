@@ -1,0 +1,218 @@
+"""Products of float32 activations with GGUF weights kept in their block formats, on the CPU.
+
+A call quantizes its activation rows once into the type's int8 blocks (absmax per block; fp32
+rows for F16/BF16), then threads over output rows with integer dot products and one multiply by
+the two scales per block (``kernels/cpu/*.cpp``, AVX2+FMA or AVX-512-VNNI by cpuid, scalar
+otherwise). Large batches (prefill) instead dequantize tiles of rows into one reused fp32
+buffer and multiply them with a dense GEMM, which is compute-bound there. Without a compiler,
+or for a type whose kernels did not compile, the same API runs on torch ops (dequantize tiles,
+then a dense product), slower but equal up to the activations' int8 rounding.
+
+Invariant: no fp32 copy of a whole quantized weight is ever made by a product (at most one
+tile of rows at a time); ``AGENTD_CPU_ISA=avx2|scalar|torch`` only ever lowers the path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from agentd.kernels.cpu import _build, _fallback
+from agentd.kernels.cpu.formats import GGML_TYPES, GgmlType, row_bytes
+
+__all__ = ["GGML_TYPES", "GgmlType", "active_isa", "available_isas", "build", "dequantize",
+           "get_rows", "linear", "linear_multi", "native_available", "native_unavailable_reason"]
+
+logger = logging.getLogger(__name__)
+
+ISAS = ("scalar", "avx2", "avx512_vnni")  # the order of dispatch.h's Isa enum
+ISA_ENV = "AGENTD_CPU_ISA"
+# Rows of weights dequantized per GEMM of the prefill path: a tile of 256 x 4096 fp32 is 4 MiB,
+# reused across tiles, so it stays in cache while the GEMM reads it.
+TILE_ROWS = 256
+# From this many activation rows on, dequantized tiles + a dense GEMM beat the int8 kernels.
+TILE_MIN_BATCH = 64
+
+
+@dataclass(frozen=True)
+class _Native:
+    module: ModuleType | None
+    best_isa: int  # index into ISAS, after the AVX-512 self-check
+    types: frozenset[str]  # types with native kernels
+    reason: str | None  # why module is None
+
+
+_state: _Native | None = None
+_state_lock = threading.Lock()
+
+
+def _torch_fallback_warning(reason: str) -> str:
+    fix = "install g++" if reason.startswith("no C++ compiler") else (
+        'see the error with `python -c "from agentd.kernels.cpu import build; '
+        'build(verbose=True)"`')
+    return (f"{reason}: GGUF products run on torch's kernels, dequantizing per call, several "
+            f"times slower; {fix}")
+
+
+def _resolve(loaded: _build.Loaded) -> _Native:
+    module = loaded.module
+    if module is None:
+        reason = loaded.reason or "the CPU kernels are unavailable"
+        logger.warning(_torch_fallback_warning(reason))
+        return _Native(None, 0, frozenset(), reason)
+    if loaded.left_out is not None:
+        logger.warning("%s: Q4_K/Q5_K/Q6_K products run on torch's kernels, several times slower",
+                       loaded.left_out)
+    best = module.best_isa()
+    if best == ISAS.index("avx512_vnni") and (failures := module.self_check(best)):
+        logger.warning("the AVX-512 kernels disagree with the scalar ones on this CPU (%s); "
+                       "using the AVX2 kernels", failures.strip())
+        best = ISAS.index("avx2")
+    types = frozenset(n for n, t in GGML_TYPES.items() if n != "F32" and module.has_type(t.type_id))
+    return _Native(module, best, types, None)
+
+
+def _native() -> _Native:
+    global _state
+    if _state is None:
+        with _state_lock:
+            if _state is None:
+                _state = _resolve(_build.load())
+    return _state
+
+
+def build(verbose: bool = False) -> None:
+    """Build (or load) the extension now, retrying a cached failure; never raises. For setup
+    scripts: ``python -c "from agentd.kernels.cpu import build; build(verbose=True)"``."""
+    global _state
+    with _state_lock:
+        _state = _resolve(_build.load(verbose=verbose, retry=True))
+    if verbose:
+        print(f"agentd CPU kernels: {active_isa()}"
+              + (f" ({_state.reason})" if _state.reason else f", types {sorted(_state.types)}"))
+
+
+def native_available() -> bool:
+    return _native().module is not None
+
+
+def native_unavailable_reason() -> str | None:
+    return _native().reason
+
+
+def available_isas() -> list[str]:
+    """Every path this machine can run, weakest first (``torch`` always)."""
+    native = _native()
+    return ["torch"] + (list(ISAS[: native.best_isa + 1]) if native.module is not None else [])
+
+
+def active_isa() -> str:
+    """``avx512_vnni``, ``avx2``, ``scalar`` (the C++ kernels) or ``torch``."""
+    forced = os.environ.get(ISA_ENV) or None
+    if forced == "torch":
+        return "torch"
+    if forced is not None and forced not in ISAS:
+        raise ValueError(f"{ISA_ENV}={forced!r}: expected one of {', '.join(ISAS)}, torch")
+    native = _native()
+    if native.module is None:
+        return "torch"
+    level = native.best_isa if forced is None else min(native.best_isa, ISAS.index(forced))
+    return ISAS[level]
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor, type_name: str) -> None:
+    if x.dtype != torch.float32 or x.dim() != 2 or not x.is_contiguous():
+        raise ValueError(f"x must be a contiguous float32 [n, K] tensor, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    if weight.dtype != torch.uint8 or weight.dim() != 2 or weight.stride(-1) != 1:
+        raise ValueError(f"weight must be uint8 [rows, row_bytes] with contiguous rows, got "
+                         f"{weight.dtype} {tuple(weight.shape)}")
+    expected = row_bytes(type_name, x.shape[1])
+    if weight.shape[1] != expected:
+        raise ValueError(f"{type_name} weight rows hold {weight.shape[1]} bytes; K = "
+                         f"{x.shape[1]} needs {expected}")
+
+
+def _dequantize_into(weight: torch.Tensor, type_name: str, K: int, isa: str,
+                     out: torch.Tensor) -> None:
+    native = _native()
+    if isa != "torch" and type_name in native.types | {"F32"}:
+        native.module.dequantize(weight, GGML_TYPES[type_name].type_id, K, ISAS.index(isa), out)
+    else:
+        out.copy_(_fallback.dequantize(weight, type_name, K))
+
+
+def _tiled(x: torch.Tensor, weight: torch.Tensor, type_name: str, isa: str,
+           out: torch.Tensor) -> None:
+    """out = x @ dequant(weight).T, one tile of dequantized rows at a time."""
+    rows, K = weight.shape[0], x.shape[1]
+    buf = torch.empty(min(TILE_ROWS, rows), K)
+    for r0 in range(0, rows, TILE_ROWS):
+        r1 = min(r0 + TILE_ROWS, rows)
+        tile = buf[: r1 - r0]
+        _dequantize_into(weight[r0:r1], type_name, K, isa, tile)
+        torch.mm(x, tile.t(), out=out[:, r0:r1])
+
+
+def _into(x: torch.Tensor, weight: torch.Tensor, type_name: str, isa: str,
+          out: torch.Tensor) -> None:
+    if type_name == "F32":
+        torch.mm(x, _fallback.aligned(weight, 4).view(torch.float32).t(), out=out)
+    elif isa == "torch" or type_name not in _native().types or x.shape[0] >= TILE_MIN_BATCH:
+        _tiled(x, weight, type_name, isa, out)
+    else:
+        _native().module.linear(x, weight, GGML_TYPES[type_name].type_id, ISAS.index(isa), out)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, type_name: str,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ dequant(weight).T``: x float32 ``[n, K]``, weight uint8 ``[rows, row_bytes]`` (may
+    be a view of an mmap); returns float32 ``[n, rows]`` (``out`` if given)."""
+    _check(x, weight, type_name)
+    if out is None:
+        out = torch.empty(x.shape[0], weight.shape[0])
+    if x.shape[0] and weight.shape[0]:
+        _into(x, weight, type_name, active_isa(), out)
+    return out
+
+
+def linear_multi(x: torch.Tensor, parts: list[tuple[torch.Tensor, str]]) -> torch.Tensor:
+    """Several products of one input side by side (fused q/k/v, gate/up): float32
+    ``[n, sum(rows)]``, the activations quantized once per activation format."""
+    for weight, type_name in parts:
+        _check(x, weight, type_name)
+    n, isa = x.shape[0], active_isa()
+    out = torch.empty(n, sum(weight.shape[0] for weight, _ in parts))
+    native = _native()
+    if n and isa != "torch" and n < TILE_MIN_BATCH and all(t in native.types for _, t in parts):
+        native.module.linear_multi(x, [w for w, _ in parts],
+                                   [GGML_TYPES[t].type_id for _, t in parts], ISAS.index(isa), out)
+        return out
+    col = 0
+    for weight, type_name in parts:
+        if n and weight.shape[0]:
+            _into(x, weight, type_name, isa, out[:, col:col + weight.shape[0]])
+        col += weight.shape[0]
+    return out
+
+
+def dequantize(weight: torch.Tensor, type_name: str, K: int) -> torch.Tensor:
+    """uint8 rows ``[rows, row_bytes]`` -> float32 ``[rows, K]`` (a new tensor)."""
+    if weight.dtype != torch.uint8 or weight.dim() != 2 or weight.shape[1] != row_bytes(
+            type_name, K):
+        raise ValueError(f"weight must be uint8 [rows, {row_bytes(type_name, K)}] for "
+                         f"{type_name} with K = {K}, got {weight.dtype} {tuple(weight.shape)}")
+    out = torch.empty(weight.shape[0], K)
+    if weight.shape[0]:
+        _dequantize_into(weight, type_name, K, active_isa(), out)
+    return out
+
+
+def get_rows(weight: torch.Tensor, type_name: str, ids: torch.Tensor, K: int) -> torch.Tensor:
+    """The listed rows dequantized (an embedding lookup): float32 ``[len(ids), K]``."""
+    return dequantize(weight.index_select(0, ids.reshape(-1).long()), type_name, K)

@@ -1,0 +1,289 @@
+// Q4_0, Q4_1, Q8_0, F16, BF16 products, activation quantizers and dequantization with AVX2 +
+// FMA + F16C.
+//
+// Int8 products: 4-bit weights stay unsigned (0..15) and multiply the signed activations in
+// pairs (_mm256_maddubs_epi16: at most 2 * 15 * 127, never saturating); Q4_0's -8 and Q4_1's
+// minimum go through the activation block's s = d * sum(qs). Q8_0 uses the sign trick
+// (|w| times x with w's sign: at most 2 * 128 * 127). Pairs are widened to int32
+// (_mm256_madd_epi16), converted once per block and scaled by fp16(d) * act.d.
+//
+// Invariant: every load is unaligned (GGUF rows in an mmap are aligned to nothing); quantized
+// activations and dequantized rows equal the scalar file's bit for bit (same fp32 operations,
+// round-half-even conversion under the default MXCSR); products differ from the scalar ones only
+// in the order of the per-block fp32 accumulation.
+#pragma GCC target("avx2,fma,f16c,bmi2")
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+
+#include "ggml_blocks.h"
+#include "simple_common.h"
+
+namespace agentd_cpu {
+namespace {
+
+inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline int32_t hsum_epi32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 1));
+  return _mm_cvtsi128_si32(s);
+}
+
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+inline float fp16(uint16_t h) { return _cvtsh_ss(h); }
+
+// The 32 values of a 4-bit block in weight order: low nibbles (0..15) then high ones (16..31).
+inline __m256i nibbles(const uint8_t* qs) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
+  return _mm256_and_si256(both, _mm256_set1_epi8(15));
+}
+
+// u8 x s8 pairs summed to 8 int32 lanes.
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+// Absmax of n floats (a multiple of 8); *non_finite is set if any is an infinity or a NaN.
+inline float absmax(const float* x, int n, bool* non_finite) {
+  const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(INFINITY);
+  __m256 m = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+  for (int i = 0; i < n; i += 8) {
+    const __m256 a = _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i));
+    m = _mm256_max_ps(m, a);
+    bad = _mm256_or_ps(bad, _mm256_cmp_ps(a, inf, _CMP_NLT_UQ));
+  }
+  *non_finite = _mm256_movemask_ps(bad) != 0;
+  return hmax(m);
+}
+
+// 32 floats times inv_d, rounded half-even, into 32 int8 in order; sums[0], sums[1] are the
+// sums of values 0..15 and 16..31.
+inline void quantize32(const float* x, __m256 inv_d, int8_t* qs, int32_t* sums) {
+  const __m256i i0 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x), inv_d));
+  const __m256i i1 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8), inv_d));
+  const __m256i i2 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 16), inv_d));
+  const __m256i i3 = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 24), inv_d));
+  sums[0] = hsum_epi32(_mm256_add_epi32(i0, i1));
+  sums[1] = hsum_epi32(_mm256_add_epi32(i2, i3));
+  // packs work within 128-bit lanes: dword k of the packed bytes holds (vector k % 4, half k / 4).
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(qs), _mm256_permutevar8x32_epi32(packed, order));
+}
+
+template <typename Widen>
+float dot_half(int K, const uint16_t* w, const float* x, Widen widen, float (*one)(uint16_t)) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  __m256 acc2 = _mm256_setzero_ps(), acc3 = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 32 <= K; i += 32) {
+    acc0 = _mm256_fmadd_ps(widen(w + i), _mm256_loadu_ps(x + i), acc0);
+    acc1 = _mm256_fmadd_ps(widen(w + i + 8), _mm256_loadu_ps(x + i + 8), acc1);
+    acc2 = _mm256_fmadd_ps(widen(w + i + 16), _mm256_loadu_ps(x + i + 16), acc2);
+    acc3 = _mm256_fmadd_ps(widen(w + i + 24), _mm256_loadu_ps(x + i + 24), acc3);
+  }
+  for (; i + 8 <= K; i += 8) acc0 = _mm256_fmadd_ps(widen(w + i), _mm256_loadu_ps(x + i), acc0);
+  float sum = hsum(_mm256_add_ps(_mm256_add_ps(acc0, acc1), _mm256_add_ps(acc2, acc3)));
+  for (; i < K; ++i) sum += one(w[i]) * x[i];
+  return sum;
+}
+
+inline __m256 widen_f16(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline __m256 widen_bf16(const uint16_t* p) {
+  const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+}
+
+// 32 uint8/int8 values (in a 256-bit register) to 4 x 8 floats, times d, plus m if kMin (a
+// plain product otherwise, so a zero keeps the sign of d as in the scalar file).
+template <bool kSigned, bool kMin>
+inline void store_scaled(__m256i v, __m256 d, __m256 m, float* out) {
+  const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
+  const __m128i parts[4] = {lo, _mm_unpackhi_epi64(lo, lo), hi, _mm_unpackhi_epi64(hi, hi)};
+  for (int k = 0; k < 4; ++k) {
+    const __m256i i = kSigned ? _mm256_cvtepi8_epi32(parts[k]) : _mm256_cvtepu8_epi32(parts[k]);
+    const __m256 f = _mm256_cvtepi32_ps(i);
+    _mm256_storeu_ps(out + 8 * k, kMin ? _mm256_fmadd_ps(d, f, m) : _mm256_mul_ps(d, f));
+  }
+}
+
+}  // namespace
+
+void quantize_act_q8_32_avx2(int K, const float* x, void* out) {
+  auto* blocks = static_cast<ActQ8_32*>(out);
+  for (int b = 0; b < K / QK32; ++b, x += QK32) {
+    bool non_finite = false;
+    const float amax = absmax(x, QK32, &non_finite);
+    const BlockScale sc = block_scale(amax, non_finite);
+    int32_t sums[2] = {0, 0};
+    if (sc.inv_d == 0.0f) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(blocks[b].qs), _mm256_setzero_si256());
+    } else {
+      quantize32(x, _mm256_set1_ps(sc.inv_d), blocks[b].qs, sums);
+    }
+    blocks[b].d = sc.d;
+    blocks[b].s = sc.d * static_cast<float>(sums[0] + sums[1]);
+  }
+}
+
+void quantize_act_q8_256_avx2(int K, const float* x, void* out) {
+  auto* blocks = static_cast<ActQ8_256*>(out);
+  for (int b = 0; b < K / QK_K; ++b, x += QK_K) {
+    ActQ8_256& blk = blocks[b];
+    bool non_finite = false;
+    const float amax = absmax(x, QK_K, &non_finite);
+    const BlockScale sc = block_scale(amax, non_finite);
+    blk.d = sc.d;
+    const __m256 inv_d = _mm256_set1_ps(sc.inv_d);
+    for (int c = 0; c < QK_K / 32; ++c) {
+      int32_t sums[2] = {0, 0};
+      if (sc.inv_d == 0.0f) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(blk.qs + 32 * c), _mm256_setzero_si256());
+      } else {
+        quantize32(x + 32 * c, inv_d, blk.qs + 32 * c, sums);
+      }
+      blk.bsums[2 * c] = static_cast<int16_t>(sums[0]);
+      blk.bsums[2 * c + 1] = static_cast<int16_t>(sums[1]);
+    }
+  }
+}
+
+float vec_dot_q4_0_avx2(int K, const void* w, const void* a) {
+  const auto* wb = static_cast<const BlockQ4_0*>(w);
+  const auto* ab = static_cast<const ActQ8_32*>(a);
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  float off0 = 0.0f, off1 = 0.0f;  // sum of d_w * s over blocks, times -8 at the end
+  const int nb = K / QK32;
+  int b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    const float d0 = fp16(wb[b].d), d1 = fp16(wb[b + 1].d);
+    const __m256i p0 = dot_u8s8(nibbles(wb[b].qs), load256(ab[b].qs));
+    const __m256i p1 = dot_u8s8(nibbles(wb[b + 1].qs), load256(ab[b + 1].qs));
+    acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(d0 * ab[b].d), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(d1 * ab[b + 1].d), acc1);
+    off0 += d0 * ab[b].s;
+    off1 += d1 * ab[b + 1].s;
+  }
+  if (b < nb) {
+    const float d0 = fp16(wb[b].d);
+    const __m256i p0 = dot_u8s8(nibbles(wb[b].qs), load256(ab[b].qs));
+    acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(d0 * ab[b].d), acc0);
+    off0 += d0 * ab[b].s;
+  }
+  return hsum(_mm256_add_ps(acc0, acc1)) - 8.0f * (off0 + off1);
+}
+
+float vec_dot_q4_1_avx2(int K, const void* w, const void* a) {
+  const auto* wb = static_cast<const BlockQ4_1*>(w);
+  const auto* ab = static_cast<const ActQ8_32*>(a);
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  float off0 = 0.0f, off1 = 0.0f;  // sum of m_w * s over blocks
+  const int nb = K / QK32;
+  int b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    const __m256i p0 = dot_u8s8(nibbles(wb[b].qs), load256(ab[b].qs));
+    const __m256i p1 = dot_u8s8(nibbles(wb[b + 1].qs), load256(ab[b + 1].qs));
+    acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(fp16(wb[b].d) * ab[b].d), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1),
+                           _mm256_set1_ps(fp16(wb[b + 1].d) * ab[b + 1].d), acc1);
+    off0 += fp16(wb[b].m) * ab[b].s;
+    off1 += fp16(wb[b + 1].m) * ab[b + 1].s;
+  }
+  if (b < nb) {
+    const __m256i p0 = dot_u8s8(nibbles(wb[b].qs), load256(ab[b].qs));
+    acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(fp16(wb[b].d) * ab[b].d), acc0);
+    off0 += fp16(wb[b].m) * ab[b].s;
+  }
+  return hsum(_mm256_add_ps(acc0, acc1)) + (off0 + off1);
+}
+
+float vec_dot_q8_0_avx2(int K, const void* w, const void* a) {
+  const auto* wb = static_cast<const BlockQ8_0*>(w);
+  const auto* ab = static_cast<const ActQ8_32*>(a);
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  const int nb = K / QK32;
+  int b = 0;
+  auto block = [&](int i) {
+    const __m256i q = load256(wb[i].qs);
+    return _mm256_cvtepi32_ps(dot_u8s8(_mm256_sign_epi8(q, q),
+                                       _mm256_sign_epi8(load256(ab[i].qs), q)));
+  };
+  for (; b + 2 <= nb; b += 2) {
+    acc0 = _mm256_fmadd_ps(block(b), _mm256_set1_ps(fp16(wb[b].d) * ab[b].d), acc0);
+    acc1 = _mm256_fmadd_ps(block(b + 1), _mm256_set1_ps(fp16(wb[b + 1].d) * ab[b + 1].d), acc1);
+  }
+  if (b < nb) acc0 = _mm256_fmadd_ps(block(b), _mm256_set1_ps(fp16(wb[b].d) * ab[b].d), acc0);
+  return hsum(_mm256_add_ps(acc0, acc1));
+}
+
+float vec_dot_f16_avx2(int K, const void* w, const void* a) {
+  return dot_half(K, static_cast<const uint16_t*>(w), static_cast<const float*>(a), widen_f16,
+                  fp16_to_fp32);
+}
+
+float vec_dot_bf16_avx2(int K, const void* w, const void* a) {
+  return dot_half(K, static_cast<const uint16_t*>(w), static_cast<const float*>(a), widen_bf16,
+                  bf16_to_fp32);
+}
+
+void dequant_row_q4_0_avx2(int K, const void* w, float* out) {
+  const auto* wb = static_cast<const BlockQ4_0*>(w);
+  const __m256i eight = _mm256_set1_epi8(8);
+  for (int b = 0; b < K / QK32; ++b, out += QK32) {
+    const __m256i q = _mm256_sub_epi8(nibbles(wb[b].qs), eight);
+    store_scaled<true, false>(q, _mm256_set1_ps(fp16(wb[b].d)), _mm256_setzero_ps(), out);
+  }
+}
+
+void dequant_row_q4_1_avx2(int K, const void* w, float* out) {
+  const auto* wb = static_cast<const BlockQ4_1*>(w);
+  for (int b = 0; b < K / QK32; ++b, out += QK32) {
+    store_scaled<false, true>(nibbles(wb[b].qs), _mm256_set1_ps(fp16(wb[b].d)),
+                        _mm256_set1_ps(fp16(wb[b].m)), out);
+  }
+}
+
+void dequant_row_q8_0_avx2(int K, const void* w, float* out) {
+  const auto* wb = static_cast<const BlockQ8_0*>(w);
+  for (int b = 0; b < K / QK32; ++b, out += QK32) {
+    store_scaled<true, false>(load256(wb[b].qs), _mm256_set1_ps(fp16(wb[b].d)),
+                              _mm256_setzero_ps(), out);
+  }
+}
+
+void dequant_row_f16_avx2(int K, const void* w, float* out) {
+  const auto* h = static_cast<const uint16_t*>(w);
+  int i = 0;
+  for (; i + 8 <= K; i += 8) _mm256_storeu_ps(out + i, widen_f16(h + i));
+  for (; i < K; ++i) out[i] = fp16_to_fp32(h[i]);
+}
+
+void dequant_row_bf16_avx2(int K, const void* w, float* out) {
+  const auto* h = static_cast<const uint16_t*>(w);
+  int i = 0;
+  for (; i + 8 <= K; i += 8) _mm256_storeu_ps(out + i, widen_bf16(h + i));
+  for (; i < K; ++i) out[i] = bf16_to_fp32(h[i]);
+}
+
+}  // namespace agentd_cpu

@@ -1,0 +1,97 @@
+"""``agentd.kernels.cpu.linear`` / ``linear_multi`` against the float64 reference product on
+every type, ragged shapes and batch sizes, on every ISA path this CPU runs.
+
+Tolerances, derived: the int8 kernels multiply the activations as quantized, so against
+``reference_linear`` of the *dequantized* int8 activations they differ only by fp32 rounding of
+the per-block scaling and accumulation (1e-5 of sum |w| |x|, with K <= 1536 that is over 100x
+the expected error). Against the exact fp32 product the quantization adds at most half a step
+per activation, sum_i |w_i| * d_block(i) / 2 (d = absmax / 127), which is bounded separately.
+The tile path (batches of TILE_MIN_BATCH rows or more) and the torch path multiply exactly
+dequantized weights by fp32 activations, so they meet the fp32 bound against the exact product.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import agentd.kernels.cpu as cpu
+from agentd.kernels.cpu import reference
+from agentd.kernels.cpu.formats import ACT_BLOCK, ACT_KIND, GGML_TYPES
+
+# (rows, K) per block size: ragged row counts; K = 160 is no multiple of 256.
+SHAPES = {32: [(1, 160), (7, 512), (33, 160), (100, 96)],
+          256: [(1, 256), (7, 1536), (33, 512), (100, 256)],
+          1: [(1, 160), (7, 200), (33, 8), (100, 77)]}
+BATCHES = [1, 2, 7, 16, cpu.TILE_MIN_BATCH]
+FP32_RTOL = 1e-5
+
+
+@pytest.fixture(params=["avx512_vnni", "avx2", "scalar", "torch"])
+def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param not in cpu.available_isas():
+        pytest.skip(cpu.native_unavailable_reason()
+                    or f"this CPU lacks {request.param} (cpuid): its kernels only compile here")
+    monkeypatch.setenv(cpu.ISA_ENV, request.param)
+    assert cpu.active_isa() == request.param
+    return request.param
+
+
+def _quantized_x(x: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarray]:
+    """The activations an int8 product multiplies, and each one's quantization step."""
+    kind = ACT_KIND[type_name]
+    if kind is None:
+        return x, np.zeros_like(x)
+    blocks = reference.quantize_act(x, kind)
+    step = np.repeat(blocks["d"], ACT_BLOCK[kind], axis=1)
+    return reference.dequantize_act(blocks), step
+
+
+def _check(got: np.ndarray, x: np.ndarray, raw: np.ndarray, type_name: str, int8: bool) -> None:
+    w_abs = np.abs(reference.dequantize(raw, type_name, x.shape[1]).astype(np.float64))
+    exact = reference.reference_linear(x, raw, type_name)
+    if int8:
+        xq, step = _quantized_x(x, type_name)
+        as_quantized = reference.reference_linear(xq, raw, type_name)
+        np.testing.assert_array_less(np.abs(got - as_quantized),
+                                     FP32_RTOL * (np.abs(xq) @ w_abs.T) + 1e-30)
+        bound = 0.5 * step @ w_abs.T * (1 + 1e-4) + FP32_RTOL * (np.abs(x) @ w_abs.T)
+        np.testing.assert_array_less(np.abs(got - exact), bound + 1e-30)
+    else:
+        np.testing.assert_array_less(np.abs(got - exact),
+                                     FP32_RTOL * (np.abs(x) @ w_abs.T) + 1e-30)
+
+
+@pytest.mark.parametrize("type_name", list(GGML_TYPES))
+def test_linear_matches_reference(type_name: str, isa: str) -> None:
+    rng = np.random.default_rng(GGML_TYPES[type_name].type_id)
+    for rows, K in SHAPES[GGML_TYPES[type_name].block_weights]:
+        raw = reference.random_blocks(rng, type_name, rows, K)
+        for n in BATCHES:
+            x = rng.standard_normal((n, K)).astype(np.float32)
+            got = cpu.linear(torch.from_numpy(x), torch.from_numpy(raw), type_name)
+            assert got.shape == (n, rows) and got.dtype == torch.float32
+            int8 = isa != "torch" and n < cpu.TILE_MIN_BATCH and type_name != "F32"
+            _check(got.numpy().astype(np.float64), x, raw, type_name, int8)
+
+
+def test_linear_multi_equals_its_parts_side_by_side(isa: str) -> None:
+    rng = np.random.default_rng(11)
+    parts = [(torch.from_numpy(reference.random_blocks(rng, t, rows, 512)), t)
+             for t, rows in [("Q4_K", 64), ("Q6_K", 32), ("Q8_0", 7), ("F16", 5), ("F32", 3)]]
+    for n in (1, 5, cpu.TILE_MIN_BATCH):
+        x = torch.from_numpy(rng.standard_normal((n, 512)).astype(np.float32))
+        fused = cpu.linear_multi(x, parts)
+        separate = torch.cat([cpu.linear(x, w, t) for w, t in parts], dim=1)
+        # The same quantized activations and kernels; only GEMM blocking may differ.
+        torch.testing.assert_close(fused, separate, rtol=1e-6, atol=1e-6)
+
+
+def test_linear_writes_into_out(isa: str) -> None:
+    rng = np.random.default_rng(5)
+    raw = torch.from_numpy(reference.random_blocks(rng, "Q4_1", 9, 64))
+    x = torch.from_numpy(rng.standard_normal((3, 64)).astype(np.float32))
+    out = torch.full((3, 9), float("nan"))
+    assert cpu.linear(x, raw, "Q4_1", out=out) is out
+    torch.testing.assert_close(out, cpu.linear(x, raw, "Q4_1"), rtol=0, atol=0)

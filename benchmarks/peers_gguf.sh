@@ -18,9 +18,9 @@
 #   one agent's prompt and answer; f16 KV, allocated at start), its defaults otherwise: weight
 #   repacking on, prompt cache (--cache-ram 8192 MiB) on, so a slot may load a prefix another slot
 #   computed instead of prefilling it.
-# - agentd: `agentd start --model MODEL.gguf --num-threads THREADS --kv-cache-memory
-#   AGENTD_KV_MEMORY (default 2GiB)` and the options given here (later ones win), with whatever
-#   that start does with a .gguf today.
+# - agentd: `agentd start --model MODEL.gguf --num-threads THREADS` (plus --kv-cache-memory
+#   AGENTD_KV_MEMORY when set; unset: agentd sizes its pool itself) and the options given here
+#   (later ones win), with whatever that start does with a .gguf today.
 # Env: LLAMA_SERVER (a llama-server binary; unset: skipped), SERVERS (default "agentd llama"),
 # THREADS (nproc), REQUESTS (8 per phase; 2 with QUICK), CONCURRENCY (1,8), PROMPT_TOKENS (2000), MAX_TOKENS
 # (32), QUICK=1 (bench --quick), TOKENIZER (sizes the prompts; default agentd's default model's,
@@ -85,7 +85,7 @@ if wants agentd; then
   echo "== agentd start --model $gguf $*" | tee -a "$header"
   run_server agentd 8311 "$out/$isa-agentd.log" "${agentd[@]}" start --model "$gguf" \
     --port 8311 --state-dir "$tmp/agentd" --num-threads "$threads" \
-    --kv-cache-memory "${AGENTD_KV_MEMORY:-2GiB}" "$@"
+    ${AGENTD_KV_MEMORY:+--kv-cache-memory "$AGENTD_KV_MEMORY"} "$@"
 fi
 
 if wants llama && [ -n "${LLAMA_SERVER:-}" ]; then

@@ -74,7 +74,8 @@ class EngineConfig:
     tokenizer: str | None = None
     device: str = "auto"
     dtype: str = "auto"  # activations and attention (and by default the weights; KV: auto)
-    weights: str | None = None  # linear layers' format; None: the same as dtype (see __post_init__)
+    weights: str | None = None  # linear layers' format; None: a .gguf's own blocks ("gguf") on
+    # the CPU with float32 activations, else the same as dtype (agentd.model.build.serves_gguf)
     prefill_weights: str = "keep"  # low-precision weights' big products: "keep" a dense twin, or
     # "dequantize" per call (no second copy; slower prefill)
     block_size: int = 16
@@ -134,7 +135,7 @@ class EngineConfig:
                              f"{self.kv_cache_dtype!r}")
 
     def _check_weights(self) -> None:
-        formats = ("auto", "float32", "bfloat16", "float16", "int8", "int4")
+        formats = ("auto", "float32", "bfloat16", "float16", "int8", "int4", "gguf")
         if self.prefill_weights not in ("keep", "dequantize"):
             raise ValueError(f"prefill_weights must be keep or dequantize, not "
                              f"{self.prefill_weights!r}")
@@ -148,3 +149,6 @@ class EngineConfig:
         if self.weights == "float32" and self.dtype not in ("auto", "float32"):
             raise ValueError("weights float32 needs dtype float32: weights are never stored "
                              "wider than the activations")
+        if self.weights == "gguf" and self.dtype not in ("auto", "float32"):
+            raise ValueError("weights gguf multiplies the file's blocks by float32 activations; "
+                             "leave dtype auto (or float32) with weights gguf")

@@ -2,7 +2,8 @@
 
 Invariant: the returned model's weights are exactly the checkpoint's, cast to ``dtype``, unless a
 low-precision weight format (``--weights``) was asked for; then its linear layers hold that format
-(a GGUF's 4-bit groups as they are, for int4) and ``weights`` says so.
+(a GGUF's 4-bit groups as they are, for int4; the GGUF's own memory-mapped blocks, for gguf: the
+default for a .gguf on the CPU) and ``weights`` says so.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class LoadedModel:
     dtype: torch.dtype
     fingerprint: str
     eos_token_ids: list[int]
-    weights: str = "float32"  # the linear layers' format (dispatch.WEIGHT_FORMATS)
+    weights: str = "float32"  # the linear layers' format (dispatch.WEIGHT_FORMATS, or "gguf")
     isa: CpuIsa | None = None  # None off the CPU
     kernels: dict[str, KernelChoice] = field(default_factory=dict)
 
@@ -163,13 +164,52 @@ def install_weights(model: LlamaModel, weights: str, files: ModelFiles,
     return kernels
 
 
+def serves_gguf(config: EngineConfig, device: torch.device) -> bool:
+    """Whether to serve a GGUF's own blocks: ``--weights gguf``, or by default a .gguf file on
+    the CPU with float32 activations (an fp32 upcast is no more exact than the file, and costs
+    4-8x its memory). The default model, a GGUF too, keeps the exact fp32 conversion unless
+    ``--weights gguf`` is asked for."""
+    if config.weights == "gguf":
+        if device.type != "cpu":
+            raise ValueError("--weights gguf runs on the CPU only; pass --device cpu")
+        return True
+    model = Path(config.model).expanduser() if config.model else None
+    return (config.weights is None and device.type == "cpu" and config.dtype in ("auto", "float32")
+            and model is not None and model.suffix == ".gguf" and model.is_file())
+
+
+def load_gguf(config: EngineConfig) -> LoadedModel:
+    """The GGUF served as it ships (agentd.model.gguf_model): float32 activations, the file's
+    blocks multiplied by agentd.kernels.cpu."""
+    from agentd.model.gguf_model import kernel_path, load_gguf_model
+
+    start = time.perf_counter()
+    files = resolve_model(config.model, serve_gguf=True)
+    assert files.gguf is not None
+    gguf = load_gguf_model(files.gguf)
+    tokenizer = load_tokenizer(files)
+    fingerprint = model_fingerprint(files, gguf.config, tokenizer, "float32+weights-gguf")
+    isa = detect_isa()
+    kernels = {kind: KernelChoice(f"{types} blocks on {kernel_path()}", None, "")
+               for kind, types in gguf.types_by_kind().items()}
+    logger.info("loaded %s (%s) from its GGUF as it ships in %.1f s: %s; %.0f MiB of weights "
+                "memory-mapped; kernels on %s; CPU %s", files.name, gguf.config.model_type,
+                time.perf_counter() - start, gguf.file.type_counts(), gguf.weight_bytes() / 2**20,
+                kernel_path(), isa.describe())
+    return LoadedModel(files, gguf.config, tokenizer, gguf.model, torch.device("cpu"),
+                       torch.float32, fingerprint, eos_token_ids(gguf.config, tokenizer, files),
+                       "gguf", isa, kernels)
+
+
 def load_model(config: EngineConfig) -> LoadedModel:
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
+    device = pick_device(config.device)
+    if serves_gguf(config, device):
+        return load_gguf(config)
     files = resolve_model(config.model)
     hf_config = load_config(files)
     tokenizer = load_tokenizer(files)
-    device = pick_device(config.device)
     dtype = pick_dtype(config.dtype, device)
     weights = pick_weights(config, device, dtype, hf_config)
     # Shapes only: no memory, no random init.

@@ -1,9 +1,13 @@
-"""The default model, and turning a .gguf into a cached Hugging Face directory.
+"""The default model, and turning a .gguf into cached Hugging Face files.
 
-Invariant: a converted directory `<cache>/models/<stem>-<key>/` appears only complete. It is
-written into a temporary sibling and renamed into place, under an exclusive lock file, so an
-interrupted conversion leaves no half directory and concurrent converters never interleave. The
-key hashes the .gguf's absolute path, size and mtime, so an edited file converts again.
+Two caches per .gguf: its conversion `<cache>/models/<stem>-<key>/` (fp32 safetensors, config and
+tokenizer), and, for serving the file as it ships (``--weights gguf``), its tokenizer alone
+`<cache>/models/<stem>-<key>-tokenizer/` (a few small files: building the tokenizer from the
+file's metadata takes seconds; the weights are never copied).
+Invariant: a cached directory appears only complete. It is written into a temporary sibling and
+renamed into place, under an exclusive lock file, so an interrupted build leaves no half
+directory and concurrent builders never interleave. The key hashes the .gguf's absolute path,
+size and mtime, so an edited file is built again.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import os
 import shutil
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import xxhash
@@ -64,23 +68,48 @@ def is_complete(path: Path) -> bool:
 def ensure_converted(gguf: Path, cache_dir: Path, progress: bool = True) -> Path:
     """Return the converted directory for `gguf`, converting it first if it is not cached."""
     target = converted_dir(gguf, cache_dir)
-    if is_complete(target):
+    return _build_once(target, is_complete,
+                       lambda staging: convert_gguf(gguf, staging, progress=progress),
+                       f"Converting {gguf.name} to safetensors once (~20 s); cached at {target}")
+
+
+def tokenizer_dir(gguf: Path, cache_dir: Path) -> Path:
+    """Where the tokenizer files of `gguf` are cached when it is served as it ships."""
+    converted = converted_dir(gguf, cache_dir)
+    return converted.with_name(f"{converted.name}-tokenizer")
+
+
+def _has_tokenizer(path: Path) -> bool:
+    return (path / "tokenizer.json").is_file() and (path / "tokenizer_config.json").is_file()
+
+
+def ensure_tokenizer(gguf: Path, cache_dir: Path) -> Path:
+    """A directory holding `gguf`'s tokenizer and chat template: its conversion's, where that is
+    cached (the same files), else its own cached one, built first if need be."""
+    converted = converted_dir(gguf, cache_dir)
+    if is_complete(converted):
+        return converted
+    return _build_once(tokenizer_dir(gguf, cache_dir), _has_tokenizer,
+                       lambda staging: save_gguf_tokenizer(gguf, staging), None)
+
+
+def _build_once(target: Path, complete: Callable[[Path], bool],
+                build: Callable[[Path], None], note: str | None) -> Path:
+    """`target`, built by `build(staging)` under the lock unless already `complete`."""
+    if complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with _exclusive_lock(target.parent / f"{target.name}.lock"):
-        if is_complete(target):  # another process converted it while we waited
+        if complete(target):  # another process built it while we waited
             return target
         if target.exists():  # damaged by hand; the lock makes removing it safe
             shutil.rmtree(target)
-        print(
-            f"Converting {gguf.name} to safetensors once (~20 s); cached at {target}",
-            file=sys.stderr,
-            flush=True,
-        )
+        if note:
+            print(note, file=sys.stderr, flush=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
         staging.chmod(0o755)  # mkdtemp makes it private; the cache is readable like any other
         try:
-            convert_gguf(gguf, staging, progress=progress)
+            build(staging)
             os.replace(staging, target)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
@@ -129,6 +158,23 @@ def convert_gguf(gguf: Path, out_dir: Path, progress: bool = True) -> None:
         state.pop("lm_head.weight", None)  # shares storage with the embeddings
     save_file({k: v.contiguous() for k, v in state.items()}, out_dir / _WEIGHTS_FILE)
     (out_dir / "config.json").write_text(json.dumps(_config_dict(model), indent=2, default=str))
+    tokenizer.save_pretrained(out_dir)
+
+
+def save_gguf_tokenizer(gguf: Path, out_dir: Path) -> None:
+    """Write `gguf`'s tokenizer (and chat template) as transformers builds it from the file's
+    metadata. Through the tokenizer class itself: ``AutoTokenizer`` first reads the whole GGUF
+    for its config, 24 s vs 4 s for the default model."""
+    from transformers import PreTrainedTokenizerFast
+
+    gguf = gguf.expanduser().resolve()
+    try:
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except Exception as exc:  # any parse failure means the same to the user
+        raise ModelLoadError(
+            f"cannot read the tokenizer of {gguf} ({exc}); pass a .gguf with tokenizer metadata "
+            "(llama.cpp's converter writes it) or a Hugging Face model directory"
+        ) from exc
     tokenizer.save_pretrained(out_dir)
 
 

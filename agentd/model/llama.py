@@ -57,6 +57,9 @@ class ModelDims:
     tie_word_embeddings: bool
     max_position_embeddings: int
     sliding_window: int | None
+    # q/k rows hold each head's rotary pairs interleaved (a llama-arch GGUF served as it ships,
+    # agentd.model.gguf_model): rotary turns pairs (2i, 2i+1), not halves (i, i + D/2)
+    rope_interleaved: bool = False
 
     @classmethod
     def from_config(cls, config) -> ModelDims:
@@ -89,6 +92,7 @@ class ModelDims:
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             max_position_embeddings=config.max_position_embeddings,
             sliding_window=window,
+            rope_interleaved=bool(getattr(config, "rope_interleaved", False)),
         )
 
 
@@ -103,6 +107,9 @@ def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
         return inv_freq.float(), float(scaling)
     theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    factors = getattr(config, "rope_freq_factors", None)  # a GGUF's rope_freqs (Llama 3.x)
+    if factors is not None:
+        return 1.0 / (theta**exponents * torch.tensor(factors, dtype=torch.float32)), 1.0
     return 1.0 / (theta**exponents), 1.0
 
 
@@ -133,6 +140,18 @@ class RotaryEmbedding(nn.Module):
         for x in tensors:
             x1, x2 = x.chunk(2, dim=-1)
             out.append(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
+        return out
+
+    @staticmethod
+    def apply_interleaved(table: RopeTable, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        """:meth:`apply` for rows whose rotary pairs sit side by side: the same products on each
+        pair, so the result is :meth:`apply`'s under the same permutation of the head dim."""
+        cos, sin = table
+        out = []
+        for x in tensors:
+            x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+            out.append(torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+                       .flatten(-2))
         return out
 
 
@@ -318,7 +337,10 @@ class Attention(nn.Module):
         v = v.reshape(num_tokens, d.num_kv_heads, d.head_dim)
         if d.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.apply(rope, q, k)
+        if d.rope_interleaved:
+            q, k = RotaryEmbedding.apply_interleaved(rope, q, k)
+        else:
+            q, k = RotaryEmbedding.apply(rope, q, k)
         backend.write_kv(k, v, kv_cache, meta.slot_mapping)
         num_decode = meta.num_decode_tokens
         if num_decode == num_tokens:

@@ -1,10 +1,11 @@
 """Find a model on disk and load its config, tokenizer and weights.
 
-Invariant: `resolve_model` always returns a `ModelFiles` whose `path` is a complete local
-Hugging Face directory (config.json, safetensors or .bin weights, tokenizer files). A `.gguf`
-(the default model included) is converted once into the cache by `default_model`, and the
-converted directory appears under its final name only when complete. Every failure a user can
-fix surfaces as a one-line `ModelLoadError` that says what to do.
+Invariant: `resolve_model` returns a `ModelFiles` whose `path` is a complete local Hugging Face
+directory (config.json, safetensors or .bin weights, tokenizer files). A `.gguf` (the default
+model included) is converted once into the cache by `default_model`, and the converted directory
+appears under its final name only when complete; served as it ships (``serve_gguf``), it is not
+converted: `gguf` names the file and `path` holds its cached tokenizer files alone. Every failure
+a user can fix surfaces as a one-line `ModelLoadError` that says what to do.
 """
 
 from __future__ import annotations
@@ -45,14 +46,17 @@ class ModelFiles:
     """A resolved model.
 
     Attributes:
-        path: local Hugging Face directory (config.json, weights, tokenizer files).
+        path: local Hugging Face directory (config.json, weights, tokenizer files); with
+            ``gguf`` set, the tokenizer files only.
         name: the display name the API serves.
         source: what the user passed, or "default".
+        gguf: the .gguf served as it ships (its own tensors and header); None otherwise.
     """
 
     path: Path
     name: str
     source: str
+    gguf: Path | None = None
 
 
 def default_cache_dir() -> Path:
@@ -65,7 +69,8 @@ def default_cache_dir() -> Path:
 
 
 def resolve_model(
-    model: str | None, cache_dir: Path | None = None, progress: bool = True
+    model: str | None, cache_dir: Path | None = None, progress: bool = True,
+    serve_gguf: bool = False,
 ) -> ModelFiles:
     """Turn what the user passed into a local Hugging Face directory.
 
@@ -73,6 +78,8 @@ def resolve_model(
         model: None for the default model, a directory, a .gguf file, or a hub id `org/name`.
         cache_dir: where converted GGUF models live; `default_cache_dir()` when None.
         progress: show progress bars while converting a GGUF.
+        serve_gguf: the model must be a .gguf served as it ships: no conversion (module
+            docstring); anything else is a `ModelLoadError`.
     Returns:
         The resolved `ModelFiles`.
     """
@@ -81,9 +88,20 @@ def resolve_model(
     cache = cache_dir if cache_dir is not None else default_cache_dir()
     if model is None:
         gguf = default_model.default_gguf_path()
+        if serve_gguf:
+            return ModelFiles(path=default_model.ensure_tokenizer(gguf, cache),
+                              name=default_model.DEFAULT_MODEL_NAME, source="default", gguf=gguf)
         path = default_model.ensure_converted(gguf, cache, progress=progress)
         return ModelFiles(path=path, name=default_model.DEFAULT_MODEL_NAME, source="default")
     local = Path(model).expanduser()
+    if serve_gguf and local.is_file() and local.suffix == ".gguf":
+        return ModelFiles(path=default_model.ensure_tokenizer(local, cache), name=local.stem,
+                          source=model, gguf=local.resolve())
+    if serve_gguf and (local.exists() or _HUB_ID.fullmatch(model)):
+        raise ModelLoadError(
+            f"--weights gguf serves a .gguf file's own tensors, and {model} is not one; pass "
+            "--model with a .gguf file (or no --model for the default model), or another --weights"
+        )
     if local.is_dir():
         return ModelFiles(path=_check_hf_dir(local), name=local.resolve().name, source=model)
     if local.is_file():
@@ -352,8 +370,9 @@ def model_fingerprint(
     """A stable hex digest of what determines the model's outputs.
 
     Hashes the config, the tokenizer's vocab size, chat template and special token ids, the
-    dtype, and the weights' contents (``weights_digest``: a fine-tune with the same shapes gets
-    another fingerprint, so it never restores this model's KV snapshots).
+    dtype, and the weights' contents (``weights_digest`` of the safetensors, or of the .gguf
+    served as it ships: a fine-tune with the same shapes gets another fingerprint, so it never
+    restores this model's KV snapshots).
     """
     config_dict = {
         key: value
@@ -370,7 +389,8 @@ def model_fingerprint(
         "special_ids": special_ids,
         "all_special_ids": sorted(tokenizer.all_special_ids),
         "dtype": dtype,
-        "weights": [[p.name, weights_digest(p)] for p in weight_files(files)],
+        "weights": [[p.name, weights_digest(p)]
+                    for p in ([files.gguf] if files.gguf else weight_files(files))],
     }
     blob = json.dumps(parts, sort_keys=True, default=str).encode()
     return hashlib.blake2b(blob, digest_size=16).hexdigest()

@@ -1,0 +1,257 @@
+"""A GGUF served as it ships: the file memory-mapped, its linear weights in their block format.
+
+The file is mapped once, read-only; every quantized weight is a ``uint8 [rows, row_bytes]`` view
+of that one mapping (a torch tensor over the whole file, so the views keep it alive as long as the
+model), held by :mod:`agentd.model.ggml_linear` modules. The model is built on the meta device as
+for any checkpoint, its linear layers, embedding and LM head are swapped for those modules, and
+only the rest (norm weights, biases: F32 and small) is materialized, copied from the file. The
+config comes from the file's header (``general.architecture``'s keys), never from a conversion.
+
+Llama-arch files store each head's ``attn_q``/``attn_k`` rows permuted (its two rotary halves
+interleaved, as llama.cpp's converter writes them); the rows stay as they are and the model runs
+rotary on interleaved pairs instead (``ModelDims.rope_interleaved``): q and k carry the same
+permutation, so every q.k, and the outputs, are unchanged, and the KV cache holds k in the file's
+order. Qwen2/Qwen3 files are not permuted.
+
+Invariant: no float copy of a quantized weight exists; every parameter and buffer of the model
+comes from the file (a tensor the file lacks is a one-line ``ModelLoadError``, never zeros).
+"""
+
+from __future__ import annotations
+
+import mmap
+import warnings
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from agentd.kernels import cpu as ggml
+from agentd.model.ggml_linear import QUANT_MODULES, FusedQuantLinear, QuantEmbedding, QuantLinear
+from agentd.model.gguf_index import GgufIndex, TensorInfo, read_index
+from agentd.model.llama import LlamaModel
+from agentd.model.loader import ModelConfig, ModelLoadError, UnsupportedModelError
+
+# general.architecture -> model type. Mistral's files say "llama" (same keys, same layout).
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
+REQUANTIZE_HINT = ("re-quantize to Q4_K_M/Q8_0 with llama-quantize, or pass --weights float32 to "
+                   "convert")
+_FLOAT_TYPES = {"F32": np.float32, "F16": np.float16}
+
+
+@dataclass(frozen=True)
+class GgufFile:
+    """A GGUF's index and its bytes, mapped read-only.
+
+    Attributes:
+        data: uint8 ``[file bytes]`` over the mapping; weights are views of it.
+    """
+
+    path: Path
+    index: GgufIndex
+    tensors: dict[str, TensorInfo]
+    data: torch.Tensor
+
+    @classmethod
+    def open(cls, path: Path) -> GgufFile:
+        try:
+            index = read_index(path)
+        except ValueError as exc:  # a tensor type the index does not know (IQ*, TQ*, ...)
+            raise ModelLoadError(f"{exc}; {REQUANTIZE_HINT}") from exc
+        with path.open("rb") as f:
+            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        with warnings.catch_warnings():  # read-only on purpose: nothing writes a weight
+            warnings.filterwarnings("ignore", message=".*not writable.*")
+            data = torch.from_numpy(np.frombuffer(mapping, dtype=np.uint8))
+        return cls(path, index, {t.name: t for t in index.tensors}, data)
+
+    def address_range(self) -> tuple[int, int]:
+        """``[start, end)`` of the mapping in this process's address space."""
+        start = self.data.data_ptr()
+        return start, start + self.data.numel()
+
+    def info(self, name: str) -> TensorInfo:
+        if name not in self.tensors:
+            raise ModelLoadError(f"{self.path.name} has no tensor {name}; pass a complete GGUF of "
+                                 "a supported architecture")
+        return self.tensors[name]
+
+    def rows(self, name: str, out_features: int, in_features: int) -> tuple[torch.Tensor, str]:
+        """A weight's blocks as ``uint8 [out_features, row_bytes]`` (a view) and their format."""
+        info = self.info(name)
+        if info.shape != (in_features, out_features):
+            raise ModelLoadError(f"{self.path.name}: tensor {name} has ggml shape {info.shape}, "
+                                 f"expected {(in_features, out_features)} from the header")
+        kind = ggml.GGML_TYPES.get(info.type_name)
+        if kind is None or in_features % kind.block_weights:
+            raise ModelLoadError(f"{self.path.name}: tensor {name} is {info.type_name}, which "
+                                 f"--weights gguf does not serve; {REQUANTIZE_HINT}")
+        raw = self.data[info.offset:info.offset + info.num_bytes]
+        return raw.view(out_features, -1), info.type_name
+
+    def floats(self, name: str, numel: int) -> torch.Tensor:
+        """A small F32/F16 tensor (a norm weight, a bias) copied out as float32."""
+        info = self.info(name)
+        count = int(np.prod(info.shape))
+        if info.type_name not in _FLOAT_TYPES or count != numel:
+            raise ModelLoadError(f"{self.path.name}: tensor {name} is {info.type_name} "
+                                 f"{info.shape}, expected F32 of {numel} values")
+        dtype = _FLOAT_TYPES[info.type_name]
+        raw = self.data[info.offset:info.offset + info.num_bytes].numpy()
+        return torch.from_numpy(raw.view(dtype).astype(np.float32))
+
+    def type_counts(self) -> str:
+        """``"Q4_K x 169, Q6_K x 25, F32 x 49"``: the file's tensor types, most common first."""
+        counts = Counter(t.type_name for t in self.index.tensors)
+        return ", ".join(f"{name} x {n}" for name, n in counts.most_common())
+
+
+def model_config(gguf: GgufFile) -> ModelConfig:
+    """The model's config from the GGUF header (llama/qwen2/qwen3 keys), in transformers' names."""
+    fields, names = gguf.index.fields, gguf.tensors
+    arch = fields.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{gguf.path.name} has architecture {arch!r}; --weights gguf serves "
+            f"{', '.join(ARCHITECTURES)} files, so pass one of those (or a model directory)")
+
+    def key(name: str, default: object = None) -> object:
+        return fields.get(f"{arch}.{name}", default)
+
+    hidden, num_heads = key("embedding_length"), key("attention.head_count")
+    missing = [k for k, v in (("block_count", key("block_count")), ("embedding_length", hidden),
+                              ("feed_forward_length", key("feed_forward_length")),
+                              ("attention.head_count", num_heads)) if not isinstance(v, int)]
+    if missing:
+        raise ModelLoadError(f"{gguf.path.name} lacks {', '.join(f'{arch}.{k}' for k in missing)}"
+                             " (or has them per layer); pass a GGUF made by llama.cpp's converter")
+    head_dim = key("attention.key_length") or hidden // num_heads
+    if (key("rope.dimension_count") or head_dim) != head_dim:
+        raise ModelLoadError(f"{gguf.path.name}: rotary over {key('rope.dimension_count')} of "
+                             f"{head_dim} head dims is not supported; pass --weights float32")
+    if key("rope.scaling.type", "none") not in ("none", ""):
+        raise ModelLoadError(f"{gguf.path.name}: rope scaling {key('rope.scaling.type')!r} is not "
+                             "supported by --weights gguf; pass --weights float32 to convert")
+    values: dict[str, object] = {
+        "model_type": arch,
+        "architectures": [ARCHITECTURES[arch]],
+        "vocab_size": gguf.info("token_embd.weight").shape[1],
+        "hidden_size": hidden,
+        "intermediate_size": key("feed_forward_length"),
+        "num_hidden_layers": key("block_count"),
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": key("attention.head_count_kv") or num_heads,
+        "head_dim": head_dim,
+        "rms_norm_eps": key("attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": key("rope.freq_base", 10000.0),
+        "max_position_embeddings": key("context_length", 2048),
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
+        "bos_token_id": fields.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": fields.get("tokenizer.ggml.eos_token_id"),
+        "rope_interleaved": arch == "llama",
+    }
+    if "rope_freqs.weight" in names:  # Llama 3.x: its rope scaling as per-frequency divisors
+        values["rope_freq_factors"] = gguf.floats("rope_freqs.weight", head_dim // 2).tolist()
+    return ModelConfig(values)
+
+
+def _parameter(values: torch.Tensor) -> nn.Parameter:
+    return nn.Parameter(values, requires_grad=False)
+
+
+def _swap_attention(gguf: GgufFile, model: LlamaModel, i: int) -> None:
+    d, attn = model.dims, model.layers[i].self_attn
+    prefix = f"blk.{i}"
+    sizes = {"q": attn.q_size, "k": attn.kv_size, "v": attn.kv_size}
+    parts = [gguf.rows(f"{prefix}.attn_{p}.weight", rows, d.hidden_size)
+             for p, rows in sizes.items()]
+    bias = torch.cat([gguf.floats(f"{prefix}.attn_{p}.bias", rows) for p, rows in sizes.items()]
+                     ) if d.attention_bias else None
+    attn.qkv_proj = FusedQuantLinear(parts, d.hidden_size, bias)
+    o_bias = gguf.floats(f"{prefix}.attn_output.bias", d.hidden_size) if d.o_proj_bias else None
+    attn.o_proj = QuantLinear(*gguf.rows(f"{prefix}.attn_output.weight", d.hidden_size,
+                                         attn.q_size), attn.q_size, o_bias)
+    if d.qk_norm:
+        attn.q_norm.weight = _parameter(gguf.floats(f"{prefix}.attn_q_norm.weight", d.head_dim))
+        attn.k_norm.weight = _parameter(gguf.floats(f"{prefix}.attn_k_norm.weight", d.head_dim))
+
+
+def _swap_layer(gguf: GgufFile, model: LlamaModel, i: int) -> None:
+    d, layer, prefix = model.dims, model.layers[i], f"blk.{i}"
+    _swap_attention(gguf, model, i)
+    layer.mlp.gate_up_proj = FusedQuantLinear(
+        [gguf.rows(f"{prefix}.ffn_{p}.weight", d.intermediate_size, d.hidden_size)
+         for p in ("gate", "up")], d.hidden_size)
+    layer.mlp.down_proj = QuantLinear(*gguf.rows(f"{prefix}.ffn_down.weight", d.hidden_size,
+                                                 d.intermediate_size), d.intermediate_size)
+    layer.input_layernorm.weight = _parameter(gguf.floats(f"{prefix}.attn_norm.weight",
+                                                          d.hidden_size))
+    layer.post_attention_layernorm.weight = _parameter(gguf.floats(f"{prefix}.ffn_norm.weight",
+                                                                   d.hidden_size))
+
+
+def build_model(gguf: GgufFile, config: ModelConfig) -> LlamaModel:
+    """The model over ``gguf``'s own tensors (module docstring)."""
+    model = LlamaModel(config, device="meta")
+    d = model.dims
+    embd, embd_type = gguf.rows("token_embd.weight", d.vocab_size, d.hidden_size)
+    model.embed_tokens = QuantEmbedding(embd, embd_type, d.hidden_size)
+    # A tied head is a product over the very same bytes as the embedding (no copy).
+    head = (embd, embd_type) if d.tie_word_embeddings else \
+        gguf.rows("output.weight", d.vocab_size, d.hidden_size)
+    model.lm_head = QuantLinear(*head, d.hidden_size)
+    for i in range(d.num_layers):
+        _swap_layer(gguf, model, i)
+    model.norm.weight = _parameter(gguf.floats("output_norm.weight", d.hidden_size))
+    left = [name for name, t in [*model.named_parameters(), *model.named_buffers()]
+            if t.is_meta]
+    if left:  # a module this loader does not know of: never serve it uninitialized
+        raise ModelLoadError(f"{gguf.path.name}: no GGUF tensor for {', '.join(left[:3])}")
+    return model.eval()
+
+
+@dataclass(frozen=True)
+class GgufModel:
+    file: GgufFile
+    config: ModelConfig
+    model: LlamaModel
+
+    def weight_bytes(self) -> int:
+        """Bytes of the quantized weights the model multiplies by (a tied head counted once)."""
+        seen: dict[int, int] = {}
+        for module in self.model.modules():
+            if isinstance(module, QUANT_MODULES):
+                for t in module.buffers(recurse=False):
+                    if t.dtype == torch.uint8:
+                        seen[t.data_ptr()] = t.numel()
+        return sum(seen.values())
+
+    def types_by_kind(self) -> dict[str, str]:
+        """Each kind of product and the block formats it multiplies (``qkv_proj: Q4_K/Q6_K``)."""
+        types: dict[str, set[str]] = {}
+        for name, module in self.model.named_modules():
+            kind = name.rsplit(".", 1)[-1]
+            if isinstance(module, FusedQuantLinear):
+                types.setdefault(kind, set()).update(module.type_names)
+            elif isinstance(module, (QuantLinear, QuantEmbedding)):
+                types.setdefault(kind, set()).add(module.type_name)
+        return {kind: "/".join(sorted(names)) for kind, names in types.items()}
+
+
+def kernel_path() -> str:
+    """Which products run: ``agentd.kernels.cpu``'s ISA, or why its extension is not there."""
+    if ggml.native_available():
+        return ggml.active_isa()
+    return f"{ggml.active_isa()} ({ggml.native_unavailable_reason()})"
+
+
+def load_gguf_model(path: Path) -> GgufModel:
+    """Map ``path`` and build its model; the tokenizer is loaded apart (``default_model``)."""
+    gguf = GgufFile.open(path)
+    config = model_config(gguf)
+    return GgufModel(gguf, config, build_model(gguf, config))

@@ -9,7 +9,8 @@ or for a type whose kernels did not compile, the same API runs on torch ops (deq
 then a dense product), slower but equal up to the activations' int8 rounding.
 
 Invariant: no fp32 copy of a whole quantized weight is ever made by a product (at most one
-tile of rows at a time); ``AGENTD_CPU_ISA=avx2|scalar|torch`` only ever lowers the path.
+tile of rows at a time); ``AGENTD_CPU_ISA=avx2|scalar|torch`` (read at first use) and
+``set_isa`` only ever lower the path.
 """
 
 from __future__ import annotations
@@ -26,17 +27,28 @@ from agentd.kernels.cpu import _build, _fallback
 from agentd.kernels.cpu.formats import GGML_TYPES, GgmlType, row_bytes
 
 __all__ = ["GGML_TYPES", "GgmlType", "active_isa", "available_isas", "build", "dequantize",
-           "get_rows", "linear", "linear_multi", "native_available", "native_unavailable_reason"]
+           "get_rows", "linear", "linear_multi", "native_available", "native_unavailable_reason",
+           "set_isa"]
 
 logger = logging.getLogger(__name__)
 
 ISAS = ("scalar", "avx2", "avx512_vnni")  # the order of dispatch.h's Isa enum
 ISA_ENV = "AGENTD_CPU_ISA"
-# Rows of weights dequantized per GEMM of the prefill path: a tile of 256 x 4096 fp32 is 4 MiB,
-# reused across tiles, so it stays in cache while the GEMM reads it.
-TILE_ROWS = 256
-# From this many activation rows on, dequantized tiles + a dense GEMM beat the int8 kernels.
-TILE_MIN_BATCH = 64
+# The prefill path dequantizes at most TILE_BYTES of fp32 rows at a time (1,024 rows of
+# K = 2,048; 128 of K = 14,336) into one buffer reused across the tiles of a call; dequantizing
+# costs ~1% of the GEMM (a whole 8192 x 2048 Q4_K weight: 11 ms against 2.3-2.8 s of GEMM at
+# n = 2,048), so tiles only need to be wide enough for the GEMM to run at full rate.
+TILE_BYTES = 8 << 20
+# From this many activation rows on, dequantized tiles + a dense GEMM beat the int8 kernels,
+# whose cost grows with every row (each re-reads the unpacked weights). Measured on the 2-core
+# AVX2 host, 2048 x 2048, ms int8 / tiles: Q4_K n=32 11.7/13.1, n=64 20.5/25.6, n=96 30.8/24.2;
+# Q8_0 n=64 24.0/26.1, n=96 35.7/24.9; Q4_0 n=64 18.2/25.9, n=128 37.1/21.6.
+TILE_MIN_BATCH = 96
+
+
+def tile_rows(K: int) -> int:
+    """Rows per tile of the prefill path: a multiple of 64 in [64, 1024] within TILE_BYTES."""
+    return max(64, min(1024, TILE_BYTES // (4 * K)) // 64 * 64)
 
 
 @dataclass(frozen=True)
@@ -49,6 +61,8 @@ class _Native:
 
 _state: _Native | None = None
 _state_lock = threading.Lock()
+_active: str | None = None  # the path products take; chosen at first use (see active_isa)
+_TYPE_IDS = {name: t.type_id for name, t in GGML_TYPES.items()}
 
 
 def _torch_fallback_warning(reason: str) -> str:
@@ -89,9 +103,10 @@ def _native() -> _Native:
 def build(verbose: bool = False) -> None:
     """Build (or load) the extension now, retrying a cached failure; never raises. For setup
     scripts: ``python -c "from agentd.kernels.cpu import build; build(verbose=True)"``."""
-    global _state
+    global _state, _active
     with _state_lock:
         _state = _resolve(_build.load(verbose=verbose, retry=True))
+        _active = None
     if verbose:
         print(f"agentd CPU kernels: {active_isa()}"
               + (f" ({_state.reason})" if _state.reason else f", types {sorted(_state.types)}"))
@@ -112,17 +127,32 @@ def available_isas() -> list[str]:
 
 
 def active_isa() -> str:
-    """``avx512_vnni``, ``avx2``, ``scalar`` (the C++ kernels) or ``torch``."""
+    """``avx512_vnni``, ``avx2``, ``scalar`` (the C++ kernels) or ``torch``: the best this
+    machine runs, lowered by ``$AGENTD_CPU_ISA`` (read once, at first use) or ``set_isa``."""
+    return _active if _active is not None else _choose_isa()
+
+
+def _choose_isa() -> str:
+    global _active
     forced = os.environ.get(ISA_ENV) or None
-    if forced == "torch":
-        return "torch"
-    if forced is not None and forced not in ISAS:
+    if forced is not None and forced not in (*ISAS, "torch"):
         raise ValueError(f"{ISA_ENV}={forced!r}: expected one of {', '.join(ISAS)}, torch")
     native = _native()
-    if native.module is None:
-        return "torch"
-    level = native.best_isa if forced is None else min(native.best_isa, ISAS.index(forced))
-    return ISAS[level]
+    if native.module is None or forced == "torch":
+        _active = "torch"
+    else:
+        best = native.best_isa
+        _active = ISAS[best if forced is None else min(best, ISAS.index(forced))]
+    return _active
+
+
+def set_isa(name: str | None) -> None:
+    """Run later products on ``name`` (one of ``available_isas()``), or with None choose again
+    from ``$AGENTD_CPU_ISA`` and the CPU: for tests and benchmarks that compare paths."""
+    global _active
+    if name is not None and name not in available_isas():
+        raise ValueError(f"this machine runs {', '.join(available_isas())}, not {name!r}")
+    _active = name
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, type_name: str) -> None:
@@ -147,20 +177,32 @@ def _dequantize_into(weight: torch.Tensor, type_name: str, K: int, isa: str,
         out.copy_(_fallback.dequantize(weight, type_name, K))
 
 
+def _gemm_into(x: torch.Tensor, tile: torch.Tensor, out: torch.Tensor) -> None:
+    """out = x @ tile.T by oneDNN (torch's MKL sgemm ran 2-3.5x slower on this project's AMD
+    host; see agentd.model.llama.PackedLinear), on the plain tile: packing it would cost more
+    than it saves for one use."""
+    if torch.backends.mkldnn.is_available():
+        out.copy_(torch.ops.mkldnn._linear_pointwise(x, tile, None, "none", [], ""))
+    else:
+        torch.mm(x, tile.t(), out=out)
+
+
 def _tiled(x: torch.Tensor, weight: torch.Tensor, type_name: str, isa: str,
            out: torch.Tensor) -> None:
     """out = x @ dequant(weight).T, one tile of dequantized rows at a time."""
     rows, K = weight.shape[0], x.shape[1]
-    buf = torch.empty(min(TILE_ROWS, rows), K)
-    for r0 in range(0, rows, TILE_ROWS):
-        r1 = min(r0 + TILE_ROWS, rows)
+    step = tile_rows(K)
+    buf = torch.empty(min(step, rows), K)
+    for r0 in range(0, rows, step):
+        r1 = min(r0 + step, rows)
         tile = buf[: r1 - r0]
         _dequantize_into(weight[r0:r1], type_name, K, isa, tile)
-        torch.mm(x, tile.t(), out=out[:, r0:r1])
+        _gemm_into(x, tile, out[:, r0:r1])
 
 
 def _into(x: torch.Tensor, weight: torch.Tensor, type_name: str, isa: str,
           out: torch.Tensor) -> None:
+    """The product into ``out`` (a [n, rows] view with contiguous rows), by any path."""
     if type_name == "F32":
         torch.mm(x, _fallback.aligned(weight, 4).view(torch.float32).t(), out=out)
     elif isa == "torch" or type_name not in _native().types or x.shape[0] >= TILE_MIN_BATCH:
@@ -173,29 +215,43 @@ def linear(x: torch.Tensor, weight: torch.Tensor, type_name: str,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ dequant(weight).T``: x float32 ``[n, K]``, weight uint8 ``[rows, row_bytes]`` (may
     be a view of an mmap); returns float32 ``[n, rows]`` (``out`` if given)."""
+    isa = _active or active_isa()
+    native = _state
+    if isa != "torch" and type_name in native.types and x.size(0) < TILE_MIN_BATCH:
+        # The decode path, one call: C++ checks the tensors; Python explains a failure.
+        try:
+            return native.module.linear(x, weight, _TYPE_IDS[type_name], ISAS.index(isa), out)
+        except RuntimeError:
+            _check(x, weight, type_name)
+            raise
     _check(x, weight, type_name)
     if out is None:
         out = torch.empty(x.shape[0], weight.shape[0])
     if x.shape[0] and weight.shape[0]:
-        _into(x, weight, type_name, active_isa(), out)
+        _into(x, weight, type_name, isa, out)
     return out
 
 
 def linear_multi(x: torch.Tensor, parts: list[tuple[torch.Tensor, str]]) -> torch.Tensor:
     """Several products of one input side by side (fused q/k/v, gate/up): float32
     ``[n, sum(rows)]``, the activations quantized once per activation format."""
+    isa = _active or active_isa()
+    native = _state
+    if (isa != "torch" and x.size(0) < TILE_MIN_BATCH
+            and all(t in native.types for _, t in parts)):
+        try:
+            return native.module.linear_multi(x, [w for w, _ in parts],
+                                              [_TYPE_IDS[t] for _, t in parts], ISAS.index(isa))
+        except RuntimeError:
+            for weight, type_name in parts:
+                _check(x, weight, type_name)
+            raise
     for weight, type_name in parts:
         _check(x, weight, type_name)
-    n, isa = x.shape[0], active_isa()
-    out = torch.empty(n, sum(weight.shape[0] for weight, _ in parts))
-    native = _native()
-    if n and isa != "torch" and n < TILE_MIN_BATCH and all(t in native.types for _, t in parts):
-        native.module.linear_multi(x, [w for w, _ in parts],
-                                   [GGML_TYPES[t].type_id for _, t in parts], ISAS.index(isa), out)
-        return out
+    out = torch.empty(x.shape[0], sum(weight.shape[0] for weight, _ in parts))
     col = 0
     for weight, type_name in parts:
-        if n and weight.shape[0]:
+        if x.shape[0] and weight.shape[0]:
             _into(x, weight, type_name, isa, out[:, col:col + weight.shape[0]])
         col += weight.shape[0]
     return out

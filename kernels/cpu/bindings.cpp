@@ -9,6 +9,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -95,10 +96,10 @@ void run_parts(const std::vector<Part>& parts, int K, int64_t n, float* out, int
   });
 }
 
-void linear_multi(const at::Tensor& x, const std::vector<at::Tensor>& weights,
-                  const std::vector<int64_t>& type_ids, int64_t isa, const at::Tensor& out) {
+at::Tensor linear_multi(const at::Tensor& x, const std::vector<at::Tensor>& weights,
+                        const std::vector<int64_t>& type_ids, int64_t isa,
+                        std::optional<at::Tensor> out) {
   check_rows(x, at::kFloat, "x");
-  check_rows(out, at::kFloat, "out");
   TORCH_CHECK(weights.size() == type_ids.size() && !weights.empty(), "one type per weight");
   const int64_t n = x.size(0), K = x.size(1);
   std::vector<Part> parts;
@@ -111,9 +112,11 @@ void linear_multi(const at::Tensor& x, const std::vector<at::Tensor>& weights,
                      col, nullptr});
     col += weights[i].size(0);
   }
-  TORCH_CHECK(out.size(0) == n && out.size(1) == col, "out must be [", n, ", ", col, "], got ",
-              out.sizes());
-  if (n == 0 || col == 0) return;
+  at::Tensor result = out.has_value() ? *out : at::empty({n, col}, x.options());
+  check_rows(result, at::kFloat, "out");
+  TORCH_CHECK(result.size(0) == n && result.size(1) == col, "out must be [", n, ", ", col,
+              "], got ", result.sizes());
+  if (n == 0 || col == 0) return result;
   py::gil_scoped_release no_gil;
   Activations acts[3];
   bool made[3] = {false, false, false};
@@ -121,12 +124,13 @@ void linear_multi(const at::Tensor& x, const std::vector<at::Tensor>& weights,
     if (!made[p.k.act]) acts[p.k.act] = activations(x, p.k.act, isa), made[p.k.act] = true;
     p.act = &acts[p.k.act];
   }
-  run_parts(parts, static_cast<int>(K), n, out.data_ptr<float>(), out.stride(0));
+  run_parts(parts, static_cast<int>(K), n, result.data_ptr<float>(), result.stride(0));
+  return result;
 }
 
-void linear(const at::Tensor& x, const at::Tensor& w, int64_t type_id, int64_t isa,
-            const at::Tensor& out) {
-  linear_multi(x, {w}, {type_id}, isa, out);
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t type_id, int64_t isa,
+                  std::optional<at::Tensor> out) {
+  return linear_multi(x, {w}, {type_id}, isa, std::move(out));
 }
 
 void dequantize(const at::Tensor& w, int64_t type_id, int64_t K, int64_t isa,
@@ -166,8 +170,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("best_isa", &agentd_cpu::best_isa, "0 scalar, 1 AVX2, 2 AVX-512 VNNI (cpuid)");
   m.def("self_check", &agentd_cpu::self_check, "'' if the ISA's kernels agree with scalar");
   m.def("has_type", &has_type, "the ggml type's kernels are compiled in");
-  m.def("linear", &linear, "out[n, rows] = x[n, K] @ dequant(w).T");
-  m.def("linear_multi", &linear_multi, "parts side by side in out, activations quantized once");
+  m.def("linear", &linear, "out[n, rows] = x[n, K] @ dequant(w).T", py::arg("x"), py::arg("w"),
+        py::arg("type_id"), py::arg("isa"), py::arg("out") = py::none());
+  m.def("linear_multi", &linear_multi, "parts side by side in out, activations quantized once",
+        py::arg("x"), py::arg("weights"), py::arg("type_ids"), py::arg("isa"),
+        py::arg("out") = py::none());
   m.def("dequantize", &dequantize, "out[rows, K] = dequant(w)");
   m.def("quantize_act", &quantize_act, "x[n, K] -> activation blocks [n, bytes]");
 }

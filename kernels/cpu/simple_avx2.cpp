@@ -1,16 +1,20 @@
 // Q4_0, Q4_1, Q8_0, F16, BF16 products, activation quantizers and dequantization with AVX2 +
 // FMA + F16C.
 //
-// Int8 products: 4-bit weights stay unsigned (0..15) and multiply the signed activations in
-// pairs (_mm256_maddubs_epi16: at most 2 * 15 * 127, never saturating); Q4_0's -8 and Q4_1's
-// minimum go through the activation block's s = d * sum(qs). Q8_0 uses the sign trick
-// (|w| times x with w's sign: at most 2 * 128 * 127). Pairs are widened to int32
-// (_mm256_madd_epi16), converted once per block and scaled by fp16(d) * act.d.
+// Int8 products, four 32-weight blocks at a time in 128-bit registers (as fast per byte where
+// 256-bit ops split in two, Zen 1, and no slower elsewhere for a memory-bound loop): 4-bit
+// weights stay unsigned (0..15) and multiply the signed activations in pairs
+// (_mm_maddubs_epi16, never saturating), the four blocks' int16 partials reduce together by
+// horizontal adds to four int32 sums, which one 4-lane FMA scales by fp16(d) * act.d; Q4_0's -8
+// and Q4_1's minimum go through the activation blocks' s = d * sum(qs). Q8_0 uses the sign trick
+// (|w| times x with w's sign) and widens each half to int32 before the reduction. Measured on
+// Zen 1 (one core, 2048 x 2048 in cache): Q4_0 6.7 -> 4.0 cycles per block against one 256-bit
+// block per step with broadcast scales; software prefetch 1 KB ahead: 5.3 -> 4.6 from DRAM.
 //
 // Invariant: every load is unaligned (GGUF rows in an mmap are aligned to nothing); quantized
 // activations and dequantized rows equal the scalar file's bit for bit (same fp32 operations,
-// round-half-even conversion under the default MXCSR); products differ from the scalar ones only
-// in the order of the per-block fp32 accumulation.
+// round-half-even conversion under the default MXCSR); integer sums are exact, so products
+// differ from the scalar ones only in the order of the per-block fp32 accumulation.
 #pragma GCC target("avx2,fma,f16c,bmi2")
 #include <immintrin.h>
 
@@ -56,11 +60,6 @@ inline __m256i nibbles(const uint8_t* qs) {
   return _mm256_and_si256(both, _mm256_set1_epi8(15));
 }
 
-// u8 x s8 pairs summed to 8 int32 lanes.
-inline __m256i dot_u8s8(__m256i u, __m256i s) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-}
-
 // Absmax of n floats (a multiple of 8); *non_finite is set if any is an infinity or a NaN.
 inline float absmax(const float* x, int n, bool* non_finite) {
   const __m256 sign = _mm256_set1_ps(-0.0f), inf = _mm256_set1_ps(INFINITY);
@@ -87,6 +86,103 @@ inline void quantize32(const float* x, __m256 inv_d, int8_t* qs, int32_t* sums) 
   const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(qs), _mm256_permutevar8x32_epi32(packed, order));
+}
+
+// Software prefetch of n cache lines 1 KB ahead: hardware prefetch alone leaves a core well
+// short of its read bandwidth on a weight stream (measured: 5.3 -> 4.6 cycles per Q4_0 block
+// from DRAM). The address may lie past the row; a prefetch never faults.
+inline void prefetch_ahead(const void* p, int n) {
+  const char* c = static_cast<const char*>(p) + 1024;
+  for (int i = 0; i < n; ++i) _mm_prefetch(c + 64 * i, _MM_HINT_T0);
+}
+
+inline float hsum128(__m128 v) {
+  v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+  return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+}
+
+inline __m128 fp16x4(uint16_t a, uint16_t b, uint16_t c, uint16_t d) {
+  const short h[4] = {static_cast<short>(a), static_cast<short>(b), static_cast<short>(c),
+                      static_cast<short>(d)};
+  return _mm_cvtph_ps(_mm_setr_epi16(h[0], h[1], h[2], h[3], 0, 0, 0, 0));
+}
+
+// The scales d and s of four consecutive activation blocks, one 8-byte load per block (an
+// ActQ8_32 starts with d, s).
+struct Scales4 {
+  __m128 d, s;
+};
+
+inline Scales4 act_scales4(const ActQ8_32* a) {
+  auto ds = [a](int i) { return _mm_load_sd(reinterpret_cast<const double*>(a + i)); };
+  const __m128 ds01 = _mm_castpd_ps(_mm_unpacklo_pd(ds(0), ds(1)));
+  const __m128 ds23 = _mm_castpd_ps(_mm_unpacklo_pd(ds(2), ds(3)));
+  return {_mm_shuffle_ps(ds01, ds23, _MM_SHUFFLE(2, 0, 2, 0)),
+          _mm_shuffle_ps(ds01, ds23, _MM_SHUFFLE(3, 1, 3, 1))};
+}
+
+// One 4-bit block times its activations: 8 int16 partial sums (each at most 4 * 15 * 127).
+// 128-bit throughout: on CPUs that split 256-bit ops in two (Zen 1) this is as fast per byte
+// and lets four blocks reduce together below.
+inline __m128i q4_block_dot(const uint8_t* qs, const int8_t* x) {
+  const __m128i m4 = _mm_set1_epi8(15);
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i lo = _mm_and_si128(raw, m4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
+  const __m128i x0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+  const __m128i x1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 16));
+  return _mm_add_epi16(_mm_maddubs_epi16(lo, x0), _mm_maddubs_epi16(hi, x1));
+}
+
+// One Q8_0 block times its activations (sign trick: |w| times x with w's sign): 4 int32 sums.
+inline __m128i q8_block_dot(const int8_t* qs, const int8_t* x) {
+  const __m128i ones = _mm_set1_epi16(1);
+  const __m128i w0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i w1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16));
+  const __m128i x0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+  const __m128i x1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 16));
+  const __m128i p0 = _mm_maddubs_epi16(_mm_sign_epi8(w0, w0), _mm_sign_epi8(x0, w0));
+  const __m128i p1 = _mm_maddubs_epi16(_mm_sign_epi8(w1, w1), _mm_sign_epi8(x1, w1));
+  return _mm_add_epi32(_mm_madd_epi16(p0, ones), _mm_madd_epi16(p1, ones));
+}
+
+// Q4_0 (w = d (q - 8): the -8 through s) and Q4_1 (w = d q + m). Four blocks at a time: their
+// int16 partials reduce with two horizontal adds (at most 16 * 15 * 127 < 2^15, exact) and
+// one widening, then one 4-lane multiply by the four blocks' scales.
+template <typename Block, bool kMin>
+float dot_q4(int K, const Block* wb, const ActQ8_32* ab) {
+  const __m128i ones = _mm_set1_epi16(1);
+  __m128 acc = _mm_setzero_ps(), off = _mm_setzero_ps();
+  const int nb = K / QK32;
+  int b = 0;
+  for (; b + 4 <= nb; b += 4) {
+    prefetch_ahead(wb + b, 2);  // 72 or 80 bytes per 4 blocks
+    const __m128i h01 = _mm_hadd_epi16(q4_block_dot(wb[b].qs, ab[b].qs),
+                                       q4_block_dot(wb[b + 1].qs, ab[b + 1].qs));
+    const __m128i h23 = _mm_hadd_epi16(q4_block_dot(wb[b + 2].qs, ab[b + 2].qs),
+                                       q4_block_dot(wb[b + 3].qs, ab[b + 3].qs));
+    const __m128i s = _mm_madd_epi16(_mm_hadd_epi16(h01, h23), ones);
+    const __m128 dw = fp16x4(wb[b].d, wb[b + 1].d, wb[b + 2].d, wb[b + 3].d);
+    const Scales4 as = act_scales4(ab + b);
+    acc = _mm_fmadd_ps(_mm_cvtepi32_ps(s), _mm_mul_ps(dw, as.d), acc);
+    if constexpr (kMin) {
+      off = _mm_fmadd_ps(fp16x4(wb[b].m, wb[b + 1].m, wb[b + 2].m, wb[b + 3].m), as.s, off);
+    } else {
+      off = _mm_fmadd_ps(dw, as.s, off);
+    }
+  }
+  float tail_off = 0.0f;
+  for (; b < nb; ++b) {  // K / 32 % 4 tail blocks: all lanes of acc are summed at the end
+    const __m128i s = _mm_madd_epi16(q4_block_dot(wb[b].qs, ab[b].qs), ones);
+    const float dw = fp16(wb[b].d);
+    acc = _mm_fmadd_ps(_mm_cvtepi32_ps(s), _mm_set1_ps(dw * ab[b].d), acc);
+    if constexpr (kMin) {
+      tail_off += fp16(wb[b].m) * ab[b].s;
+    } else {
+      tail_off += dw * ab[b].s;
+    }
+  }
+  const float offset = hsum128(off) + tail_off;
+  return hsum128(acc) + (kMin ? offset : -8.0f * offset);
 }
 
 template <typename Widen>
@@ -170,71 +266,36 @@ void quantize_act_q8_256_avx2(int K, const float* x, void* out) {
 }
 
 float vec_dot_q4_0_avx2(int K, const void* w, const void* a) {
-  const auto* wb = static_cast<const BlockQ4_0*>(w);
-  const auto* ab = static_cast<const ActQ8_32*>(a);
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  float off0 = 0.0f, off1 = 0.0f;  // sum of d_w * s over blocks, times -8 at the end
-  const int nb = K / QK32;
-  int b = 0;
-  for (; b + 2 <= nb; b += 2) {
-    const float d0 = fp16(wb[b].d), d1 = fp16(wb[b + 1].d);
-    const __m256i p0 = dot_u8s8(nibbles(wb[b].qs), load256(ab[b].qs));
-    const __m256i p1 = dot_u8s8(nibbles(wb[b + 1].qs), load256(ab[b + 1].qs));
-    acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(d0 * ab[b].d), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1), _mm256_set1_ps(d1 * ab[b + 1].d), acc1);
-    off0 += d0 * ab[b].s;
-    off1 += d1 * ab[b + 1].s;
-  }
-  if (b < nb) {
-    const float d0 = fp16(wb[b].d);
-    const __m256i p0 = dot_u8s8(nibbles(wb[b].qs), load256(ab[b].qs));
-    acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(d0 * ab[b].d), acc0);
-    off0 += d0 * ab[b].s;
-  }
-  return hsum(_mm256_add_ps(acc0, acc1)) - 8.0f * (off0 + off1);
+  return dot_q4<BlockQ4_0, false>(K, static_cast<const BlockQ4_0*>(w),
+                                  static_cast<const ActQ8_32*>(a));
 }
 
 float vec_dot_q4_1_avx2(int K, const void* w, const void* a) {
-  const auto* wb = static_cast<const BlockQ4_1*>(w);
-  const auto* ab = static_cast<const ActQ8_32*>(a);
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  float off0 = 0.0f, off1 = 0.0f;  // sum of m_w * s over blocks
-  const int nb = K / QK32;
-  int b = 0;
-  for (; b + 2 <= nb; b += 2) {
-    const __m256i p0 = dot_u8s8(nibbles(wb[b].qs), load256(ab[b].qs));
-    const __m256i p1 = dot_u8s8(nibbles(wb[b + 1].qs), load256(ab[b + 1].qs));
-    acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(fp16(wb[b].d) * ab[b].d), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p1),
-                           _mm256_set1_ps(fp16(wb[b + 1].d) * ab[b + 1].d), acc1);
-    off0 += fp16(wb[b].m) * ab[b].s;
-    off1 += fp16(wb[b + 1].m) * ab[b + 1].s;
-  }
-  if (b < nb) {
-    const __m256i p0 = dot_u8s8(nibbles(wb[b].qs), load256(ab[b].qs));
-    acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p0), _mm256_set1_ps(fp16(wb[b].d) * ab[b].d), acc0);
-    off0 += fp16(wb[b].m) * ab[b].s;
-  }
-  return hsum(_mm256_add_ps(acc0, acc1)) + (off0 + off1);
+  return dot_q4<BlockQ4_1, true>(K, static_cast<const BlockQ4_1*>(w),
+                                 static_cast<const ActQ8_32*>(a));
 }
 
 float vec_dot_q8_0_avx2(int K, const void* w, const void* a) {
   const auto* wb = static_cast<const BlockQ8_0*>(w);
   const auto* ab = static_cast<const ActQ8_32*>(a);
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  __m128 acc = _mm_setzero_ps();
   const int nb = K / QK32;
   int b = 0;
-  auto block = [&](int i) {
-    const __m256i q = load256(wb[i].qs);
-    return _mm256_cvtepi32_ps(dot_u8s8(_mm256_sign_epi8(q, q),
-                                       _mm256_sign_epi8(load256(ab[i].qs), q)));
-  };
-  for (; b + 2 <= nb; b += 2) {
-    acc0 = _mm256_fmadd_ps(block(b), _mm256_set1_ps(fp16(wb[b].d) * ab[b].d), acc0);
-    acc1 = _mm256_fmadd_ps(block(b + 1), _mm256_set1_ps(fp16(wb[b + 1].d) * ab[b + 1].d), acc1);
+  for (; b + 4 <= nb; b += 4) {
+    prefetch_ahead(wb + b, 3);  // 136 bytes per 4 blocks
+    // A block's products fill int16 pairs to 2 * 128 * 127, so each half widens to int32 first.
+    const __m128i s = _mm_hadd_epi32(_mm_hadd_epi32(q8_block_dot(wb[b].qs, ab[b].qs),
+                                                    q8_block_dot(wb[b + 1].qs, ab[b + 1].qs)),
+                                     _mm_hadd_epi32(q8_block_dot(wb[b + 2].qs, ab[b + 2].qs),
+                                                    q8_block_dot(wb[b + 3].qs, ab[b + 3].qs)));
+    const __m128 dw = fp16x4(wb[b].d, wb[b + 1].d, wb[b + 2].d, wb[b + 3].d);
+    acc = _mm_fmadd_ps(_mm_cvtepi32_ps(s), _mm_mul_ps(dw, act_scales4(ab + b).d), acc);
   }
-  if (b < nb) acc0 = _mm256_fmadd_ps(block(b), _mm256_set1_ps(fp16(wb[b].d) * ab[b].d), acc0);
-  return hsum(_mm256_add_ps(acc0, acc1));
+  for (; b < nb; ++b) {  // K / 32 % 4 tail blocks: all lanes of acc are summed at the end
+    const __m128 sc = _mm_set1_ps(fp16(wb[b].d) * ab[b].d);
+    acc = _mm_fmadd_ps(_mm_cvtepi32_ps(q8_block_dot(wb[b].qs, ab[b].qs)), sc, acc);
+  }
+  return hsum128(acc);
 }
 
 float vec_dot_f16_avx2(int K, const void* w, const void* a) {

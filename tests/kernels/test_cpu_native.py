@@ -7,6 +7,8 @@ build: the forced-ISA switch, the torch path when no compiler exists, errors tha
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,13 +22,19 @@ NATIVE_ISAS = ["avx512_vnni", "avx2", "scalar"]
 
 
 @pytest.fixture(params=NATIVE_ISAS + ["torch"])
-def isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+def isa(request: pytest.FixtureRequest) -> Iterator[str]:
     if request.param not in cpu.available_isas():
         reason = cpu.native_unavailable_reason() or f"this CPU cannot run {request.param}"
         pytest.skip(reason)
-    monkeypatch.setenv(cpu.ISA_ENV, request.param)
-    assert cpu.active_isa() == request.param  # an AVX-512 self-check failure shows up here
-    return request.param
+    cpu.set_isa(request.param)
+    yield request.param
+    cpu.set_isa(None)
+
+
+def test_self_check_passes_on_every_native_isa(isa: str) -> None:
+    if isa == "torch":
+        pytest.skip("the self-check compares C++ kernel sets")
+    assert cpu._native().module.self_check(cpu.ISAS.index(isa)) == ""
 
 
 def _odd_offset(raw: np.ndarray) -> torch.Tensor:
@@ -63,19 +71,35 @@ def test_quantize_act_equals_reference(kind: int, isa: str) -> None:
     np.testing.assert_array_equal(got.numpy().reshape(-1), want.view(np.uint8).reshape(-1))
 
 
-def test_isa_switch_only_lowers_and_rejects_unknown_names(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture
+def choose_again() -> Iterator[None]:
+    """Products choose their path again from $AGENTD_CPU_ISA at next use, and after the test."""
+    cpu.set_isa(None)
+    yield
+    cpu.set_isa(None)
+
+
+def test_isa_env_only_lowers_and_rejects_unknown_names(monkeypatch: pytest.MonkeyPatch,
+                                                       choose_again: None) -> None:
     best = cpu.available_isas()[-1]
     monkeypatch.setenv(cpu.ISA_ENV, "avx512_vnni")
     assert cpu.active_isa() == best
+    cpu.set_isa(None)
     monkeypatch.setenv(cpu.ISA_ENV, "torch")
     assert cpu.active_isa() == "torch"
+    cpu.set_isa(None)
     monkeypatch.setenv(cpu.ISA_ENV, "sse9")
     with pytest.raises(ValueError, match="AGENTD_CPU_ISA='sse9'"):
         cpu.active_isa()
+    monkeypatch.delenv(cpu.ISA_ENV)
+    assert cpu.active_isa() == best
+    with pytest.raises(ValueError, match="not 'sse9'"):
+        cpu.set_isa("sse9")
 
 
 def test_no_compiler_falls_back_to_torch_with_one_warning(
-        monkeypatch: pytest.MonkeyPatch, tmp_path, caplog: pytest.LogCaptureFixture) -> None:
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+        choose_again: None) -> None:
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
     monkeypatch.setenv("AGENTD_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv(cpu.ISA_ENV, raising=False)

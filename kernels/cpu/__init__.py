@@ -9,8 +9,8 @@ or for a type whose kernels did not compile, the same API runs on torch ops (deq
 then a dense product), slower but equal up to the activations' int8 rounding.
 
 Invariant: no fp32 copy of a whole quantized weight is ever made by a product (at most one
-tile of rows at a time); ``AGENTD_CPU_ISA=avx2|scalar|torch`` (read at first use) and
-``set_isa`` only ever lower the path.
+tile of rows at a time); ``AGENTD_CPU_ISA=avx2|scalar|torch`` and ``set_isa`` only ever
+lower the path.
 """
 
 from __future__ import annotations
@@ -40,10 +40,12 @@ ISA_ENV = "AGENTD_CPU_ISA"
 # n = 2,048), so tiles only need to be wide enough for the GEMM to run at full rate.
 TILE_BYTES = 8 << 20
 # From this many activation rows on, dequantized tiles + a dense GEMM beat the int8 kernels,
-# whose cost grows with every row (each re-reads the unpacked weights). Measured on the 2-core
-# AVX2 host, 2048 x 2048, ms int8 / tiles: Q4_K n=32 11.7/13.1, n=64 20.5/25.6, n=96 30.8/24.2;
-# Q8_0 n=64 24.0/26.1, n=96 35.7/24.9; Q4_0 n=64 18.2/25.9, n=128 37.1/21.6.
-TILE_MIN_BATCH = 96
+# whose cost grows with every row. Measured on the 2-core AVX2 host (shared with other jobs, so
+# the GEMM ran at ~half its quiet rate), 2048 x 2048, best of 25, ms int8 / tiles: Q4_K n=48
+# 20.5/29.9, n=64 25.5/43.2, n=96 32.0/24.1; Q6_K n=64 28.2/21.5; Q8_0 n=64 30.3/45.2, n=96
+# 38.5/44.6; Q4_0 (column kernels) n=96 26.6/32.2. Quiet, the GEMM runs ~60 GFLOP/s (2x), which
+# moves the crossover down: 64.
+TILE_MIN_BATCH = 64
 
 
 def tile_rows(K: int) -> int:
@@ -57,11 +59,13 @@ class _Native:
     best_isa: int  # index into ISAS, after the AVX-512 self-check
     types: frozenset[str]  # types with native kernels
     reason: str | None  # why module is None
+    left_out: str | None = None  # why some types (the K-quants) have no native kernels
 
 
 _state: _Native | None = None
 _state_lock = threading.Lock()
-_active: str | None = None  # the path products take; chosen at first use (see active_isa)
+_override: str | None = None  # set_isa's choice, above $AGENTD_CPU_ISA
+_env_choice: tuple[str | None, str] | None = None  # ($AGENTD_CPU_ISA, the path it gives)
 _TYPE_IDS = {name: t.type_id for name, t in GGML_TYPES.items()}
 
 
@@ -88,7 +92,7 @@ def _resolve(loaded: _build.Loaded) -> _Native:
                        "using the AVX2 kernels", failures.strip())
         best = ISAS.index("avx2")
     types = frozenset(n for n, t in GGML_TYPES.items() if n != "F32" and module.has_type(t.type_id))
-    return _Native(module, best, types, None)
+    return _Native(module, best, types, None, loaded.left_out)
 
 
 def _native() -> _Native:
@@ -103,10 +107,10 @@ def _native() -> _Native:
 def build(verbose: bool = False) -> None:
     """Build (or load) the extension now, retrying a cached failure; never raises. For setup
     scripts: ``python -c "from agentd.kernels.cpu import build; build(verbose=True)"``."""
-    global _state, _active
+    global _state, _env_choice
     with _state_lock:
         _state = _resolve(_build.load(verbose=verbose, retry=True))
-        _active = None
+        _env_choice = None
     if verbose:
         print(f"agentd CPU kernels: {active_isa()}"
               + (f" ({_state.reason})" if _state.reason else f", types {sorted(_state.types)}"))
@@ -128,31 +132,36 @@ def available_isas() -> list[str]:
 
 def active_isa() -> str:
     """``avx512_vnni``, ``avx2``, ``scalar`` (the C++ kernels) or ``torch``: the best this
-    machine runs, lowered by ``$AGENTD_CPU_ISA`` (read once, at first use) or ``set_isa``."""
-    return _active if _active is not None else _choose_isa()
-
-
-def _choose_isa() -> str:
-    global _active
+    machine runs, lowered by ``set_isa`` or else ``$AGENTD_CPU_ISA``."""
+    if _override is not None:
+        return _override
     forced = os.environ.get(ISA_ENV) or None
+    choice = _env_choice
+    if choice is not None and choice[0] == forced:
+        return choice[1]
+    return _choose_isa(forced)
+
+
+def _choose_isa(forced: str | None) -> str:
+    global _env_choice
     if forced is not None and forced not in (*ISAS, "torch"):
         raise ValueError(f"{ISA_ENV}={forced!r}: expected one of {', '.join(ISAS)}, torch")
     native = _native()
     if native.module is None or forced == "torch":
-        _active = "torch"
+        isa = "torch"
     else:
-        best = native.best_isa
-        _active = ISAS[best if forced is None else min(best, ISAS.index(forced))]
-    return _active
+        isa = ISAS[native.best_isa if forced is None else min(native.best_isa, ISAS.index(forced))]
+    _env_choice = (forced, isa)
+    return isa
 
 
 def set_isa(name: str | None) -> None:
-    """Run later products on ``name`` (one of ``available_isas()``), or with None choose again
-    from ``$AGENTD_CPU_ISA`` and the CPU: for tests and benchmarks that compare paths."""
-    global _active
+    """Run later products on ``name`` (one of ``available_isas()``), or with None go back to
+    ``$AGENTD_CPU_ISA`` and the CPU: for tests and benchmarks that compare paths."""
+    global _override
     if name is not None and name not in available_isas():
         raise ValueError(f"this machine runs {', '.join(available_isas())}, not {name!r}")
-    _active = name
+    _override = name
 
 
 def _check(x: torch.Tensor, weight: torch.Tensor, type_name: str) -> None:
@@ -215,7 +224,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, type_name: str,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ dequant(weight).T``: x float32 ``[n, K]``, weight uint8 ``[rows, row_bytes]`` (may
     be a view of an mmap); returns float32 ``[n, rows]`` (``out`` if given)."""
-    isa = _active or active_isa()
+    isa = active_isa()
     native = _state
     if isa != "torch" and type_name in native.types and x.size(0) < TILE_MIN_BATCH:
         # The decode path, one call: C++ checks the tensors; Python explains a failure.
@@ -235,7 +244,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, type_name: str,
 def linear_multi(x: torch.Tensor, parts: list[tuple[torch.Tensor, str]]) -> torch.Tensor:
     """Several products of one input side by side (fused q/k/v, gate/up): float32
     ``[n, sum(rows)]``, the activations quantized once per activation format."""
-    isa = _active or active_isa()
+    isa = active_isa()
     native = _state
     if (isa != "torch" and x.size(0) < TILE_MIN_BATCH
             and all(t in native.types for _, t in parts)):

@@ -38,6 +38,7 @@ struct TypeEntry {
   int block_weights, block_bytes;
   VecDotFn dot[3];
   DequantRowFn dequant[3];
+  VecDotColsFn cols[3] = {nullptr, nullptr, nullptr};
 };
 
 const TypeEntry kTypes[] = {
@@ -48,13 +49,16 @@ const TypeEntry kTypes[] = {
      {dequant_row_bf16, dequant_row_bf16_avx2, nullptr}},
     {Q4_0, kActQ8_32, QK32, sizeof(BlockQ4_0),
      {vec_dot_q4_0_scalar, vec_dot_q4_0_avx2, vec_dot_q4_0_avx512},
-     {dequant_row_q4_0, dequant_row_q4_0_avx2, nullptr}},
+     {dequant_row_q4_0, dequant_row_q4_0_avx2, nullptr},
+     {nullptr, vec_dot_cols_q4_0_avx2, nullptr}},
     {Q4_1, kActQ8_32, QK32, sizeof(BlockQ4_1),
      {vec_dot_q4_1_scalar, vec_dot_q4_1_avx2, vec_dot_q4_1_avx512},
-     {dequant_row_q4_1, dequant_row_q4_1_avx2, nullptr}},
+     {dequant_row_q4_1, dequant_row_q4_1_avx2, nullptr},
+     {nullptr, vec_dot_cols_q4_1_avx2, nullptr}},
     {Q8_0, kActQ8_32, QK32, sizeof(BlockQ8_0),
      {vec_dot_q8_0_scalar, vec_dot_q8_0_avx2, vec_dot_q8_0_avx512},
-     {dequant_row_q8_0, dequant_row_q8_0_avx2, nullptr}},
+     {dequant_row_q8_0, dequant_row_q8_0_avx2, nullptr},
+     {nullptr, vec_dot_cols_q8_0_avx2, nullptr}},
     {Q4_K, kActQ8_256, QK_K, sizeof(BlockQ4_K),
      {vec_dot_q4_K_scalar, vec_dot_q4_K_avx2, vec_dot_q4_K_avx512},
      {dequant_row_q4_K, dequant_row_q4_K_avx2, nullptr}},
@@ -80,11 +84,17 @@ const TypeEntry* find_type(int type_id) {
 }
 
 template <typename Fn>
-Fn best_at_or_below(const Fn (&fns)[3], int isa) {
+int level_at_or_below(const Fn (&fns)[3], int isa) {
   for (int i = isa; i >= 0; --i) {
-    if (fns[i] != nullptr) return fns[i];
+    if (fns[i] != nullptr) return i;
   }
-  return nullptr;
+  return -1;
+}
+
+template <typename Fn>
+Fn best_at_or_below(const Fn (&fns)[3], int isa) {
+  const int level = level_at_or_below(fns, isa);
+  return level < 0 ? nullptr : fns[level];
 }
 
 }  // namespace
@@ -109,8 +119,10 @@ bool type_kernels(int type_id, int isa, TypeKernels* out) {
   const TypeEntry* e = find_type(type_id);
   if (e == nullptr || e->dequant[kIsaScalar] == nullptr) return false;
   if (e->act != kActF32 && e->dot[kIsaScalar] == nullptr) return false;
+  // Only the dot's own ISA's column kernel: its results equal that dot's bit for bit.
+  const int dot_level = level_at_or_below(e->dot, isa);
   *out = {e->act, e->block_weights, e->block_bytes, best_at_or_below(e->dot, isa),
-          best_at_or_below(e->dequant, isa)};
+          dot_level < 0 ? nullptr : e->cols[dot_level], best_at_or_below(e->dequant, isa)};
   return true;
 }
 
@@ -133,6 +145,10 @@ void dot_rows(const TypeKernels& k, int K, const uint8_t* w, int64_t w_stride, i
   // L1 while the n activation rows stream from L2, so the weights are read from memory once.
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = w + r * w_stride;
+    if (n > 1 && k.dot_cols != nullptr) {
+      k.dot_cols(K, row, act, act_stride, static_cast<int>(n), out + r, out_stride);
+      continue;
+    }
     for (int64_t j = 0; j < n; ++j) out[j * out_stride + r] = k.dot(K, row, act + j * act_stride);
   }
 }
@@ -255,6 +271,16 @@ std::string self_check(int isa) {
       double mag = 0.0;  // the products' rounding is relative to sum |w x|
       for (int i = 0; i < K; ++i) mag += std::fabs(static_cast<double>(wr[i]) * xs[i]);
       const float a = ref.dot(K, row, act[e.act].data()), b = test.dot(K, row, act[e.act].data());
+      if (test.dot_cols != nullptr) {  // five copies of the row: equal to dot bit for bit
+        const size_t stride = act_row_bytes(e.act, K);
+        std::vector<uint8_t> acts(5 * stride);
+        for (int j = 0; j < 5; ++j) std::memcpy(&acts[j * stride], act[e.act].data(), stride);
+        float cols[5];
+        test.dot_cols(K, row, acts.data(), stride, 5, cols, 1);
+        bool same = true;
+        for (float c : cols) same &= std::memcmp(&c, &b, 4) == 0;
+        if (!same) failures += "dot_cols type " + std::to_string(e.type_id) + "; ";
+      }
       if (!(std::fabs(static_cast<double>(a) - b) <= 1e-5 * mag + 1e-30)) {
         failures += "dot type " + std::to_string(e.type_id) + "; ";
         break;

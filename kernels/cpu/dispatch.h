@@ -22,6 +22,7 @@ struct TypeKernels {
   ActKind act;
   int block_weights, block_bytes;
   VecDotFn dot;           // nullptr for F32 (torch multiplies those)
+  VecDotColsFn dot_cols;  // nullptr where the ISA of dot has none (then dot per column)
   DequantRowFn dequant;
 };
 

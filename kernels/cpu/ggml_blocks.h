@@ -131,6 +131,17 @@ float vec_dot_q4_1_avx512(int K, const void* w, const void* a);
 float vec_dot_q8_0_avx512(int K, const void* w, const void* a);
 float vec_dot_f16_avx512(int K, const void* w, const void* a);
 float vec_dot_bf16_avx512(int K, const void* w, const void* a);
+// One weight row times n activation rows act + j * act_stride (bytes), into out[j * out_stride]:
+// the weights unpacked once for several rows (decode batches). Optional per type and ISA (the
+// dispatcher loops over VecDotFn where absent); each result equals the VecDotFn's bit for bit.
+using VecDotColsFn = void (*)(int K, const void* w_row, const void* act, size_t act_stride,
+                              int n, float* out, size_t out_stride);
+void vec_dot_cols_q4_0_avx2(int K, const void* w, const void* act, size_t act_stride, int n,
+                            float* out, size_t out_stride);
+void vec_dot_cols_q4_1_avx2(int K, const void* w, const void* act, size_t act_stride, int n,
+                            float* out, size_t out_stride);
+void vec_dot_cols_q8_0_avx2(int K, const void* w, const void* act, size_t act_stride, int n,
+                            float* out, size_t out_stride);
 // Dequantization (exact: every value is one fp32 product of an fp16 and a small integer, plus
 // Q4_1's minimum, rounded once), scalar and AVX2 with the same results.
 void dequant_row_q4_0(int K, const void* w, float* out);

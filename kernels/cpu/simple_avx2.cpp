@@ -121,68 +121,151 @@ inline Scales4 act_scales4(const ActQ8_32* a) {
           _mm_shuffle_ps(ds01, ds23, _MM_SHUFFLE(3, 1, 3, 1))};
 }
 
+// A 4-bit block's 32 values (low nibbles, high nibbles), unpacked once for every column.
+struct Q4Values {
+  __m128i lo, hi;
+};
+
+inline Q4Values q4_values(const uint8_t* qs) {
+  const __m128i m4 = _mm_set1_epi8(15);
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  return {_mm_and_si128(raw, m4), _mm_and_si128(_mm_srli_epi16(raw, 4), m4)};
+}
+
 // One 4-bit block times its activations: 8 int16 partial sums (each at most 4 * 15 * 127).
 // 128-bit throughout: on CPUs that split 256-bit ops in two (Zen 1) this is as fast per byte
 // and lets four blocks reduce together below.
-inline __m128i q4_block_dot(const uint8_t* qs, const int8_t* x) {
-  const __m128i m4 = _mm_set1_epi8(15);
-  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m128i lo = _mm_and_si128(raw, m4), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), m4);
+inline __m128i q4_block_dot(const Q4Values& q, const int8_t* x) {
   const __m128i x0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
   const __m128i x1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 16));
-  return _mm_add_epi16(_mm_maddubs_epi16(lo, x0), _mm_maddubs_epi16(hi, x1));
+  return _mm_add_epi16(_mm_maddubs_epi16(q.lo, x0), _mm_maddubs_epi16(q.hi, x1));
 }
 
-// One Q8_0 block times its activations (sign trick: |w| times x with w's sign): 4 int32 sums.
-inline __m128i q8_block_dot(const int8_t* qs, const int8_t* x) {
-  const __m128i ones = _mm_set1_epi16(1);
+// A Q8_0 block's |w| (as unsigned: |-128| = 128) and w (for its signs), in two halves.
+struct Q8Values {
+  __m128i w0, w1, abs0, abs1;
+};
+
+inline Q8Values q8_values(const int8_t* qs) {
   const __m128i w0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
   const __m128i w1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16));
+  return {w0, w1, _mm_sign_epi8(w0, w0), _mm_sign_epi8(w1, w1)};
+}
+
+// One Q8_0 block times its activations (|w| times x with w's sign): 4 int32 sums.
+inline __m128i q8_block_dot(const Q8Values& q, const int8_t* x) {
+  const __m128i ones = _mm_set1_epi16(1);
   const __m128i x0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
   const __m128i x1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x + 16));
-  const __m128i p0 = _mm_maddubs_epi16(_mm_sign_epi8(w0, w0), _mm_sign_epi8(x0, w0));
-  const __m128i p1 = _mm_maddubs_epi16(_mm_sign_epi8(w1, w1), _mm_sign_epi8(x1, w1));
+  const __m128i p0 = _mm_maddubs_epi16(q.abs0, _mm_sign_epi8(x0, q.w0));
+  const __m128i p1 = _mm_maddubs_epi16(q.abs1, _mm_sign_epi8(x1, q.w1));
   return _mm_add_epi32(_mm_madd_epi16(p0, ones), _mm_madd_epi16(p1, ones));
 }
 
-// Q4_0 (w = d (q - 8): the -8 through s) and Q4_1 (w = d q + m). Four blocks at a time: their
+inline const ActQ8_32* act_col(const void* act, size_t act_stride, int c) {
+  return reinterpret_cast<const ActQ8_32*>(static_cast<const uint8_t*>(act) + c * act_stride);
+}
+
+// Q4_0 (w = d (q - 8): the -8 through s) and Q4_1 (w = d q + m), one weight row times NC
+// activation rows, the weights unpacked once for all of them. Four blocks at a time: their
 // int16 partials reduce with two horizontal adds (at most 16 * 15 * 127 < 2^15, exact) and
-// one widening, then one 4-lane multiply by the four blocks' scales.
-template <typename Block, bool kMin>
-float dot_q4(int K, const Block* wb, const ActQ8_32* ab) {
+// one widening, then one 4-lane multiply by the four blocks' scales. Each column's arithmetic
+// is the same whatever NC, so a result does not depend on how many rows share the call.
+template <typename Block, bool kMin, int NC>
+void dot_q4(int K, const Block* wb, const void* act, size_t act_stride, float* out,
+            size_t out_stride) {
   const __m128i ones = _mm_set1_epi16(1);
-  __m128 acc = _mm_setzero_ps(), off = _mm_setzero_ps();
+  const ActQ8_32* ab[NC];
+  __m128 acc[NC], off[NC];
+  float tail_off[NC];
+  for (int c = 0; c < NC; ++c) {
+    ab[c] = act_col(act, act_stride, c);
+    acc[c] = off[c] = _mm_setzero_ps();
+    tail_off[c] = 0.0f;
+  }
   const int nb = K / QK32;
   int b = 0;
   for (; b + 4 <= nb; b += 4) {
     prefetch_ahead(wb + b, 2);  // 72 or 80 bytes per 4 blocks
-    const __m128i h01 = _mm_hadd_epi16(q4_block_dot(wb[b].qs, ab[b].qs),
-                                       q4_block_dot(wb[b + 1].qs, ab[b + 1].qs));
-    const __m128i h23 = _mm_hadd_epi16(q4_block_dot(wb[b + 2].qs, ab[b + 2].qs),
-                                       q4_block_dot(wb[b + 3].qs, ab[b + 3].qs));
-    const __m128i s = _mm_madd_epi16(_mm_hadd_epi16(h01, h23), ones);
+    const Q4Values q[4] = {q4_values(wb[b].qs), q4_values(wb[b + 1].qs),
+                           q4_values(wb[b + 2].qs), q4_values(wb[b + 3].qs)};
     const __m128 dw = fp16x4(wb[b].d, wb[b + 1].d, wb[b + 2].d, wb[b + 3].d);
-    const Scales4 as = act_scales4(ab + b);
-    acc = _mm_fmadd_ps(_mm_cvtepi32_ps(s), _mm_mul_ps(dw, as.d), acc);
-    if constexpr (kMin) {
-      off = _mm_fmadd_ps(fp16x4(wb[b].m, wb[b + 1].m, wb[b + 2].m, wb[b + 3].m), as.s, off);
-    } else {
-      off = _mm_fmadd_ps(dw, as.s, off);
+    __m128 mw = dw;
+    if constexpr (kMin) mw = fp16x4(wb[b].m, wb[b + 1].m, wb[b + 2].m, wb[b + 3].m);
+    for (int c = 0; c < NC; ++c) {
+      const ActQ8_32* a = ab[c] + b;
+      const __m128i h01 =
+          _mm_hadd_epi16(q4_block_dot(q[0], a[0].qs), q4_block_dot(q[1], a[1].qs));
+      const __m128i h23 =
+          _mm_hadd_epi16(q4_block_dot(q[2], a[2].qs), q4_block_dot(q[3], a[3].qs));
+      const __m128i s = _mm_madd_epi16(_mm_hadd_epi16(h01, h23), ones);
+      const Scales4 as = act_scales4(a);
+      acc[c] = _mm_fmadd_ps(_mm_cvtepi32_ps(s), _mm_mul_ps(dw, as.d), acc[c]);
+      off[c] = _mm_fmadd_ps(mw, as.s, off[c]);
     }
   }
-  float tail_off = 0.0f;
   for (; b < nb; ++b) {  // K / 32 % 4 tail blocks: all lanes of acc are summed at the end
-    const __m128i s = _mm_madd_epi16(q4_block_dot(wb[b].qs, ab[b].qs), ones);
+    const Q4Values q = q4_values(wb[b].qs);
     const float dw = fp16(wb[b].d);
-    acc = _mm_fmadd_ps(_mm_cvtepi32_ps(s), _mm_set1_ps(dw * ab[b].d), acc);
-    if constexpr (kMin) {
-      tail_off += fp16(wb[b].m) * ab[b].s;
-    } else {
-      tail_off += dw * ab[b].s;
+    float mw = dw;
+    if constexpr (kMin) mw = fp16(wb[b].m);
+    for (int c = 0; c < NC; ++c) {
+      const ActQ8_32& a = ab[c][b];
+      const __m128i s = _mm_madd_epi16(q4_block_dot(q, a.qs), ones);
+      acc[c] = _mm_fmadd_ps(_mm_cvtepi32_ps(s), _mm_set1_ps(dw * a.d), acc[c]);
+      tail_off[c] = std::fma(mw, a.s, tail_off[c]);
     }
   }
-  const float offset = hsum128(off) + tail_off;
-  return hsum128(acc) + (kMin ? offset : -8.0f * offset);
+  for (int c = 0; c < NC; ++c) {
+    const float offset = hsum128(off[c]) + tail_off[c];
+    out[c * out_stride] = hsum128(acc[c]) + (kMin ? offset : -8.0f * offset);
+  }
+}
+
+template <int NC>
+void dot_q8(int K, const BlockQ8_0* wb, const void* act, size_t act_stride, float* out,
+            size_t out_stride) {
+  const ActQ8_32* ab[NC];
+  __m128 acc[NC];
+  for (int c = 0; c < NC; ++c) ab[c] = act_col(act, act_stride, c), acc[c] = _mm_setzero_ps();
+  const int nb = K / QK32;
+  int b = 0;
+  for (; b + 4 <= nb; b += 4) {
+    prefetch_ahead(wb + b, 3);  // 136 bytes per 4 blocks
+    const Q8Values q[4] = {q8_values(wb[b].qs), q8_values(wb[b + 1].qs),
+                           q8_values(wb[b + 2].qs), q8_values(wb[b + 3].qs)};
+    const __m128 dw = fp16x4(wb[b].d, wb[b + 1].d, wb[b + 2].d, wb[b + 3].d);
+    for (int c = 0; c < NC; ++c) {
+      // A block's products fill int16 pairs to 2 * 128 * 127, so each half widens first.
+      const ActQ8_32* a = ab[c] + b;
+      const __m128i s = _mm_hadd_epi32(
+          _mm_hadd_epi32(q8_block_dot(q[0], a[0].qs), q8_block_dot(q[1], a[1].qs)),
+          _mm_hadd_epi32(q8_block_dot(q[2], a[2].qs), q8_block_dot(q[3], a[3].qs)));
+      acc[c] = _mm_fmadd_ps(_mm_cvtepi32_ps(s), _mm_mul_ps(dw, act_scales4(a).d), acc[c]);
+    }
+  }
+  for (; b < nb; ++b) {  // K / 32 % 4 tail blocks: all lanes of acc are summed at the end
+    const Q8Values q = q8_values(wb[b].qs);
+    const float dw = fp16(wb[b].d);
+    for (int c = 0; c < NC; ++c) {
+      const ActQ8_32& a = ab[c][b];
+      acc[c] = _mm_fmadd_ps(_mm_cvtepi32_ps(q8_block_dot(q, a.qs)), _mm_set1_ps(dw * a.d),
+                            acc[c]);
+    }
+  }
+  for (int c = 0; c < NC; ++c) out[c * out_stride] = hsum128(acc[c]);
+}
+
+// n columns in groups of four (the most whose accumulators and unpacked weights fit the 16
+// vector registers), then the rest one by one.
+template <typename Kernel4, typename Kernel1>
+void by_columns(int n, size_t act_stride, const void* act, float* out, size_t out_stride,
+                Kernel4 four, Kernel1 one) {
+  int c = 0;
+  for (; c + 4 <= n; c += 4) {
+    four(static_cast<const uint8_t*>(act) + c * act_stride, out + c * out_stride);
+  }
+  for (; c < n; ++c) one(static_cast<const uint8_t*>(act) + c * act_stride, out + c * out_stride);
 }
 
 template <typename Widen>
@@ -191,6 +274,7 @@ float dot_half(int K, const uint16_t* w, const float* x, Widen widen, float (*on
   __m256 acc2 = _mm256_setzero_ps(), acc3 = _mm256_setzero_ps();
   int i = 0;
   for (; i + 32 <= K; i += 32) {
+    prefetch_ahead(w + i, 1);  // 64 bytes of weights per step
     acc0 = _mm256_fmadd_ps(widen(w + i), _mm256_loadu_ps(x + i), acc0);
     acc1 = _mm256_fmadd_ps(widen(w + i + 8), _mm256_loadu_ps(x + i + 8), acc1);
     acc2 = _mm256_fmadd_ps(widen(w + i + 16), _mm256_loadu_ps(x + i + 16), acc2);
@@ -266,36 +350,49 @@ void quantize_act_q8_256_avx2(int K, const float* x, void* out) {
 }
 
 float vec_dot_q4_0_avx2(int K, const void* w, const void* a) {
-  return dot_q4<BlockQ4_0, false>(K, static_cast<const BlockQ4_0*>(w),
-                                  static_cast<const ActQ8_32*>(a));
+  float out;
+  dot_q4<BlockQ4_0, false, 1>(K, static_cast<const BlockQ4_0*>(w), a, 0, &out, 0);
+  return out;
 }
 
 float vec_dot_q4_1_avx2(int K, const void* w, const void* a) {
-  return dot_q4<BlockQ4_1, true>(K, static_cast<const BlockQ4_1*>(w),
-                                 static_cast<const ActQ8_32*>(a));
+  float out;
+  dot_q4<BlockQ4_1, true, 1>(K, static_cast<const BlockQ4_1*>(w), a, 0, &out, 0);
+  return out;
 }
 
 float vec_dot_q8_0_avx2(int K, const void* w, const void* a) {
+  float out;
+  dot_q8<1>(K, static_cast<const BlockQ8_0*>(w), a, 0, &out, 0);
+  return out;
+}
+
+void vec_dot_cols_q4_0_avx2(int K, const void* w, const void* act, size_t act_stride, int n,
+                            float* out, size_t out_stride) {
+  const auto* wb = static_cast<const BlockQ4_0*>(w);
+  by_columns(n, act_stride, act, out, out_stride,
+             [&](const void* a, float* o) {
+               dot_q4<BlockQ4_0, false, 4>(K, wb, a, act_stride, o, out_stride);
+             },
+             [&](const void* a, float* o) { dot_q4<BlockQ4_0, false, 1>(K, wb, a, 0, o, 0); });
+}
+
+void vec_dot_cols_q4_1_avx2(int K, const void* w, const void* act, size_t act_stride, int n,
+                            float* out, size_t out_stride) {
+  const auto* wb = static_cast<const BlockQ4_1*>(w);
+  by_columns(n, act_stride, act, out, out_stride,
+             [&](const void* a, float* o) {
+               dot_q4<BlockQ4_1, true, 4>(K, wb, a, act_stride, o, out_stride);
+             },
+             [&](const void* a, float* o) { dot_q4<BlockQ4_1, true, 1>(K, wb, a, 0, o, 0); });
+}
+
+void vec_dot_cols_q8_0_avx2(int K, const void* w, const void* act, size_t act_stride, int n,
+                            float* out, size_t out_stride) {
   const auto* wb = static_cast<const BlockQ8_0*>(w);
-  const auto* ab = static_cast<const ActQ8_32*>(a);
-  __m128 acc = _mm_setzero_ps();
-  const int nb = K / QK32;
-  int b = 0;
-  for (; b + 4 <= nb; b += 4) {
-    prefetch_ahead(wb + b, 3);  // 136 bytes per 4 blocks
-    // A block's products fill int16 pairs to 2 * 128 * 127, so each half widens to int32 first.
-    const __m128i s = _mm_hadd_epi32(_mm_hadd_epi32(q8_block_dot(wb[b].qs, ab[b].qs),
-                                                    q8_block_dot(wb[b + 1].qs, ab[b + 1].qs)),
-                                     _mm_hadd_epi32(q8_block_dot(wb[b + 2].qs, ab[b + 2].qs),
-                                                    q8_block_dot(wb[b + 3].qs, ab[b + 3].qs)));
-    const __m128 dw = fp16x4(wb[b].d, wb[b + 1].d, wb[b + 2].d, wb[b + 3].d);
-    acc = _mm_fmadd_ps(_mm_cvtepi32_ps(s), _mm_mul_ps(dw, act_scales4(ab + b).d), acc);
-  }
-  for (; b < nb; ++b) {  // K / 32 % 4 tail blocks: all lanes of acc are summed at the end
-    const __m128 sc = _mm_set1_ps(fp16(wb[b].d) * ab[b].d);
-    acc = _mm_fmadd_ps(_mm_cvtepi32_ps(q8_block_dot(wb[b].qs, ab[b].qs)), sc, acc);
-  }
-  return hsum128(acc);
+  by_columns(n, act_stride, act, out, out_stride,
+             [&](const void* a, float* o) { dot_q8<4>(K, wb, a, act_stride, o, out_stride); },
+             [&](const void* a, float* o) { dot_q8<1>(K, wb, a, 0, o, 0); });
 }
 
 float vec_dot_f16_avx2(int K, const void* w, const void* a) {

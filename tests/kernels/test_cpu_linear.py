@@ -67,6 +67,9 @@ def _check(got: np.ndarray, x: np.ndarray, raw: np.ndarray, type_name: str, int8
 
 @pytest.mark.parametrize("type_name", list(GGML_TYPES))
 def test_linear_matches_reference(type_name: str, isa: str) -> None:
+    native = cpu._native()
+    if isa != "torch" and type_name != "F32" and type_name not in native.types:
+        pytest.skip(f"no native {type_name} kernels in this build: {native.left_out}")
     rng = np.random.default_rng(GGML_TYPES[type_name].type_id)
     for rows, K in SHAPES[GGML_TYPES[type_name].block_weights]:
         raw = reference.random_blocks(rng, type_name, rows, K)
@@ -88,6 +91,21 @@ def test_linear_multi_equals_its_parts_side_by_side(isa: str) -> None:
         separate = torch.cat([cpu.linear(x, w, t) for w, t in parts], dim=1)
         # The same quantized activations and kernels; only GEMM blocking may differ.
         torch.testing.assert_close(fused, separate, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "F16"])
+def test_a_row_does_not_depend_on_the_batch_it_shares(type_name: str, isa: str) -> None:
+    """Decode batches go through column kernels (several activation rows per weight row):
+    each row's result must be the one it gets alone, bit for bit."""
+    if isa == "torch":
+        pytest.skip("the torch path is a dense GEMM, whose blocking depends on the batch")
+    rng = np.random.default_rng(9)
+    raw = torch.from_numpy(reference.random_blocks(rng, type_name, 33, 512 + 256))
+    x = torch.from_numpy(rng.standard_normal((cpu.TILE_MIN_BATCH - 1, 768)).astype(np.float32))
+    batch = cpu.linear(x, raw, type_name)
+    for j in (0, 3, 4, 6, x.shape[0] - 1):
+        torch.testing.assert_close(batch[j], cpu.linear(x[j:j + 1], raw, type_name)[0], rtol=0,
+                                   atol=0)
 
 
 def test_linear_writes_into_out(isa: str) -> None:

@@ -9,6 +9,8 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
+#include <atomic>
 #include <optional>
 #include <string>
 #include <vector>
@@ -85,13 +87,30 @@ struct Part {
 void run_parts(const std::vector<Part>& parts, int K, int64_t n, float* out, int64_t out_stride) {
   int64_t total = 0, row_bytes = 0;
   for (const Part& p : parts) total += p.rows, row_bytes = std::max(row_bytes, p.w_stride);
-  at::parallel_for(0, total, grain_rows(row_bytes, n), [&](int64_t begin, int64_t end) {
+  auto rows = [&](int64_t begin, int64_t end) {
     for (const Part& p : parts) {  // this chunk's rows of each part, in the part's own terms
       const int64_t r0 = std::max<int64_t>(begin - p.col0, 0);
       const int64_t r1 = std::min<int64_t>(end - p.col0, p.rows);
       if (r0 >= r1) continue;
       agentd_cpu::dot_rows(p.k, K, p.w, p.w_stride, r0, r1, p.act->data, p.act->stride, n,
                            out + p.col0, out_stride);
+    }
+  };
+  // Threads take chunks of rows from a shared counter rather than one fixed share each: on a
+  // machine shared with other work, a thread that is descheduled no longer holds up the call
+  // while the others idle (about eight chunks per thread, each at least grain_rows).
+  const int64_t threads = at::get_num_threads();
+  const int64_t chunk =
+      std::max(grain_rows(row_bytes, n), (total + 8 * threads - 1) / (8 * threads));
+  const int64_t num_chunks = (total + chunk - 1) / chunk;
+  if (threads <= 1 || num_chunks <= 1 || at::in_parallel_region()) {
+    rows(0, total);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min(threads, num_chunks), 1, [&](int64_t, int64_t) {
+    for (int64_t c; (c = next.fetch_add(1, std::memory_order_relaxed)) < num_chunks;) {
+      rows(c * chunk, std::min(total, (c + 1) * chunk));
     }
   });
 }

@@ -102,7 +102,7 @@ def test_no_compiler_falls_back_to_torch_with_one_warning(
     monkeypatch.setattr(cpu, "_env_choice", None)  # choose again, from the null extension
     assert [r.getMessage() for r in caplog.records] == [
         "no C++ compiler (c++/g++ on PATH): GGUF products run on torch's kernels, dequantizing "
-        "per call, several times slower; install g++"]
+        "every weight per call, ~50x slower to decode; install g++"]
     assert cpu.active_isa() == "torch" and not cpu.native_available()
     raw = reference.random_blocks(np.random.default_rng(0), "Q4_0", 3, 64)
     x = np.ones((2, 64), np.float32)

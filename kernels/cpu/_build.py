@@ -185,5 +185,10 @@ def load(verbose: bool = False, retry: bool = False) -> Loaded:
 
 
 def _last_error_line(message: str) -> str:
-    lines = [line for line in message.splitlines() if "error" in line.lower()]
-    return (lines[0] if lines else message.splitlines()[-1] if message else "unknown")[:300]
+    """The compiler's first ``error:`` line (ninja's own summary says only that a step failed)."""
+    lines = message.splitlines()
+    for marker in (": error:", "error", ""):
+        found = [line.strip() for line in lines if marker in line.lower() and line.strip()]
+        if found:
+            return found[0][:300]
+    return "unknown error"

@@ -1,11 +1,12 @@
 """Speed of ``agentd.kernels.cpu`` products against this machine's memory bandwidth and torch.
 
 A decode step (n = 1) reads every weight once, so a GEMV is good when it streams weight bytes
-about as fast as the machine reads memory at all: the ceiling is measured as torch.sum over
-512 MB at the same thread count. Prefill (n = 2048) is compute-bound: the tile path (dequantize
-tile_rows(K) rows into a reused fp32 buffer, then a GEMM) is compared with torch's fp32 F.linear and
-oneDNN's packed fp32 linear (agentd.model.llama.PackedLinear) of the same shape. The crossover
-sweep times both paths of one layer at growing n to place TILE_MIN_BATCH.
+about as fast as the machine reads memory at all: the ceiling is measured as torch.sum and
+torch.mv (BLAS sgemv) over 512 MB at the same thread count. Prefill (n = 2048) is
+compute-bound: the tile path (dequantize tile_rows(K) rows into a reused fp32 buffer, then a
+GEMM) is compared with torch's fp32 F.linear and oneDNN's packed fp32 linear
+(agentd.model.llama.PackedLinear) of the same shape. The crossover sweep times both paths of
+one layer at growing n to place TILE_MIN_BATCH.
 
     python benchmarks/cpu_kernels.py [--threads 2] [--part gemv,prefill,crossover] [--repeats 9]
 """
@@ -59,8 +60,11 @@ def ceiling(repeats: int) -> None:
     s = best_s(lambda: big.sum(), repeats)
     dst = torch.empty_like(big)
     c = best_s(lambda: dst.copy_(big), repeats)
-    print(f"read ceiling: torch.sum over 512 MB {big.nbytes / s / 1e9:.1f} GB/s; "
-          f"copy {2 * big.nbytes / c / 1e9:.1f} GB/s (read + write)")
+    matrix, ones = big.view(-1, 4096), torch.ones(4096)
+    m = best_s(lambda: torch.mv(matrix, ones), repeats)  # BLAS sgemv: prefetching, unrolled
+    print(f"read ceiling over 512 MB: torch.sum {big.nbytes / s / 1e9:.1f} GB/s, torch.mv "
+          f"{big.nbytes / m / 1e9:.1f} GB/s; copy {2 * big.nbytes / c / 1e9:.1f} GB/s "
+          "(read + write)")
 
 
 def gemv(types: list[str], repeats: int) -> None:

@@ -73,8 +73,9 @@ def _torch_fallback_warning(reason: str) -> str:
     fix = "install g++" if reason.startswith("no C++ compiler") else (
         'see the error with `python -c "from agentd.kernels.cpu import build; '
         'build(verbose=True)"`')
-    # Measured on the 2-core AVX2 host, one thread: a 4096 x 4096 Q4_0 GEMV 125 ms on torch ops
-    # against 2.2 ms native; prefill is GEMM-bound either way.
+    # Measured on the 2-core AVX2 host, one thread, 4096 x 4096 GEMV on torch ops / native: Q4_0
+    # 68.6 / 1.22 ms, Q4_K 68.4 / 1.32, Q6_K 110.5 / 1.62, Q8_0 33.9 / 1.67; prefill is
+    # GEMM-bound either way.
     return (f"{reason}: GGUF products run on torch's kernels, dequantizing every weight per "
             f"call, ~50x slower to decode; {fix}")
 
@@ -185,7 +186,7 @@ def _dequantize_into(weight: torch.Tensor, type_name: str, K: int, isa: str,
     if isa != "torch" and type_name in native.types | {"F32"}:
         native.module.dequantize(weight, GGML_TYPES[type_name].type_id, K, ISAS.index(isa), out)
     else:
-        out.copy_(_fallback.dequantize(weight, type_name, K))
+        _fallback.dequantize_into(weight, type_name, K, out)
 
 
 def _gemm_into(x: torch.Tensor, tile: torch.Tensor, out: torch.Tensor) -> None:

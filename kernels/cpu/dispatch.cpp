@@ -32,6 +32,12 @@ AGENTD_WEAK void vec_dot_cols_q5_K_avx2(int K, const void* w, const void* act, s
                                         int n, float* out, size_t out_stride);
 AGENTD_WEAK void vec_dot_cols_q6_K_avx2(int K, const void* w, const void* act, size_t act_stride,
                                         int n, float* out, size_t out_stride);
+AGENTD_WEAK void vec_dot_cols_q4_K_avx512(int K, const void* w, const void* act,
+                                          size_t act_stride, int n, float* out, size_t out_stride);
+AGENTD_WEAK void vec_dot_cols_q5_K_avx512(int K, const void* w, const void* act,
+                                          size_t act_stride, int n, float* out, size_t out_stride);
+AGENTD_WEAK void vec_dot_cols_q6_K_avx512(int K, const void* w, const void* act,
+                                          size_t act_stride, int n, float* out, size_t out_stride);
 #undef AGENTD_WEAK
 
 namespace {
@@ -68,15 +74,15 @@ const TypeEntry kTypes[] = {
     {Q4_K, kActQ8_256, QK_K, sizeof(BlockQ4_K),
      {vec_dot_q4_K_scalar, vec_dot_q4_K_avx2, vec_dot_q4_K_avx512},
      {dequant_row_q4_K, dequant_row_q4_K_avx2, nullptr},
-     {nullptr, vec_dot_cols_q4_K_avx2, nullptr}},
+     {nullptr, vec_dot_cols_q4_K_avx2, vec_dot_cols_q4_K_avx512}},
     {Q5_K, kActQ8_256, QK_K, sizeof(BlockQ5_K),
      {vec_dot_q5_K_scalar, vec_dot_q5_K_avx2, vec_dot_q5_K_avx512},
      {dequant_row_q5_K, dequant_row_q5_K_avx2, nullptr},
-     {nullptr, vec_dot_cols_q5_K_avx2, nullptr}},
+     {nullptr, vec_dot_cols_q5_K_avx2, vec_dot_cols_q5_K_avx512}},
     {Q6_K, kActQ8_256, QK_K, sizeof(BlockQ6_K),
      {vec_dot_q6_K_scalar, vec_dot_q6_K_avx2, vec_dot_q6_K_avx512},
      {dequant_row_q6_K, dequant_row_q6_K_avx2, nullptr},
-     {nullptr, vec_dot_cols_q6_K_avx2, nullptr}},
+     {nullptr, vec_dot_cols_q6_K_avx2, vec_dot_cols_q6_K_avx512}},
 };
 
 const QuantizeActFn kQuantizers[3][3] = {

@@ -142,14 +142,20 @@ void vec_dot_cols_q4_1_avx2(int K, const void* w, const void* act, size_t act_st
                             float* out, size_t out_stride);
 void vec_dot_cols_q8_0_avx2(int K, const void* w, const void* act, size_t act_stride, int n,
                             float* out, size_t out_stride);
-// Optional K-quant column kernels (kquants_*.cpp may define them; dispatch.cpp links them weak,
-// self-checks them against the one-row kernels, and loops over those where absent).
+// K-quant column kernels (kquants_avx2/avx512.cpp; dispatch.cpp links them weak, like every
+// K-quant symbol, and self-checks them against the one-row kernels).
 void vec_dot_cols_q4_K_avx2(int K, const void* w, const void* act, size_t act_stride, int n,
                             float* out, size_t out_stride);
 void vec_dot_cols_q5_K_avx2(int K, const void* w, const void* act, size_t act_stride, int n,
                             float* out, size_t out_stride);
 void vec_dot_cols_q6_K_avx2(int K, const void* w, const void* act, size_t act_stride, int n,
                             float* out, size_t out_stride);
+void vec_dot_cols_q4_K_avx512(int K, const void* w, const void* act, size_t act_stride, int n,
+                              float* out, size_t out_stride);
+void vec_dot_cols_q5_K_avx512(int K, const void* w, const void* act, size_t act_stride, int n,
+                              float* out, size_t out_stride);
+void vec_dot_cols_q6_K_avx512(int K, const void* w, const void* act, size_t act_stride, int n,
+                              float* out, size_t out_stride);
 // Dequantization (exact: every value is one fp32 product of an fp16 and a small integer, plus
 // Q4_1's minimum, rounded once), scalar and AVX2 with the same results.
 void dequant_row_q4_0(int K, const void* w, float* out);

@@ -85,21 +85,28 @@ inline __m256i min_terms(uint64_t mins, const ActQ8_256& a) {
   return _mm256_madd_epi16(load256(bsums_of(a)), _mm256_cvtepu8_epi16(m8));
 }
 
-// Q4_K (kHigh false) and Q5_K (kHigh true): they differ only in bit 4 of each weight value.
-template <bool kHigh>
-inline float dot_q45_K(int K, const uint8_t* row, size_t block_bytes, size_t scales_off,
-                       size_t qh_off, size_t qs_off, const ActQ8_256* act) {
+// Q4_K (kHigh false) and Q5_K (kHigh true), which differ only in bit 4 of each weight value:
+// one weight row times N activation rows act + j * act_stride into out[j * out_stride]. The
+// weight values and scales are unpacked once per super-block for all N rows, and each row's
+// operations are the N = 1 kernel's in the same order, so every result equals it bit for bit.
+template <bool kHigh, int N>
+inline void dot_q45_K(int K, const uint8_t* row, size_t block_bytes, size_t scales_off,
+                      size_t qh_off, size_t qs_off, const uint8_t* act, size_t act_stride,
+                      float* out, size_t out_stride) {
   const __m256i low4 = _mm256_set1_epi8(0x0f), bit4 = _mm256_set1_epi8(0x10);
-  __m256 acc = _mm256_setzero_ps();
+  __m256 acc[N];
+  for (int j = 0; j < N; ++j) acc[j] = _mm256_setzero_ps();
   for (int b = 0; b < K / QK_K; ++b) {
     const uint8_t* blk = row + b * block_bytes;
-    const ActQ8_256& a = act[b];
+    const ActQ8_256* a[N];
+    for (int j = 0; j < N; ++j) a[j] = reinterpret_cast<const ActQ8_256*>(act + j * act_stride) + b;
     prefetch_ahead(blk, 3);  // 144 or 176 bytes a block
     const KqScaleMins sm = kq_unpack_scale_mins(blk + scales_off);
     const __m256i scales = _mm256_broadcastsi128_si256(
         _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<long long>(sm.scales))));
     __m256i qh = kHigh ? load256(blk + qh_off) : _mm256_setzero_si256();
-    __m256i isum = _mm256_setzero_si256();
+    __m256i isum[N];
+    for (int j = 0; j < N; ++j) isum[j] = _mm256_setzero_si256();
     for (int c = 0; c < 4; ++c) {  // 32 bytes of nibbles: sub-blocks 2c (low) and 2c + 1 (high)
       const __m256i q = load256(blk + qs_off + 32 * c);
       __m256i lo = _mm256_and_si256(q, low4);
@@ -109,20 +116,24 @@ inline float dot_q45_K(int K, const uint8_t* row, size_t block_bytes, size_t sca
         hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(qh, 3), bit4));
         qh = _mm256_srli_epi16(qh, 2);
       }
-      const __m256i p_lo = _mm256_maddubs_epi16(lo, load256(a.qs + 64 * c));
-      const __m256i p_hi = _mm256_maddubs_epi16(hi, load256(a.qs + 64 * c + 32));
       const __m256i s_lo = _mm256_shuffle_epi8(scales, pick16(2 * c));
       const __m256i s_hi = _mm256_shuffle_epi8(scales, pick16(2 * c + 1));
-      isum = _mm256_add_epi32(isum, _mm256_add_epi32(_mm256_madd_epi16(p_lo, s_lo),
-                                                     _mm256_madd_epi16(p_hi, s_hi)));
+      for (int j = 0; j < N; ++j) {
+        const __m256i p_lo = _mm256_maddubs_epi16(lo, load256(a[j]->qs + 64 * c));
+        const __m256i p_hi = _mm256_maddubs_epi16(hi, load256(a[j]->qs + 64 * c + 32));
+        isum[j] = _mm256_add_epi32(isum[j], _mm256_add_epi32(_mm256_madd_epi16(p_lo, s_lo),
+                                                             _mm256_madd_epi16(p_hi, s_hi)));
+      }
     }
-    const __m128i dm = _mm_castps_si128(d_dmin_times(blk, a.d));
-    const __m256 d = _mm256_castsi256_ps(_mm256_broadcastd_epi32(dm));
-    const __m256 dmin = _mm256_castsi256_ps(_mm256_broadcastd_epi32(_mm_srli_si128(dm, 4)));
-    acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(isum), acc);
-    acc = _mm256_fnmadd_ps(dmin, _mm256_cvtepi32_ps(min_terms(sm.mins, a)), acc);
+    for (int j = 0; j < N; ++j) {
+      const __m128i dm = _mm_castps_si128(d_dmin_times(blk, a[j]->d));
+      const __m256 d = _mm256_castsi256_ps(_mm256_broadcastd_epi32(dm));
+      const __m256 dmin = _mm256_castsi256_ps(_mm256_broadcastd_epi32(_mm_srli_si128(dm, 4)));
+      acc[j] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(isum[j]), acc[j]);
+      acc[j] = _mm256_fnmadd_ps(dmin, _mm256_cvtepi32_ps(min_terms(sm.mins, *a[j])), acc[j]);
+    }
   }
-  return hsum(acc);
+  for (int j = 0; j < N; ++j) out[j * out_stride] = hsum(acc[j]);
 }
 
 // Eight floats ds * q - dm from the low eight bytes of q8. ds * q is exact in fp32 (see
@@ -191,31 +202,26 @@ inline void q6_half(const BlockQ6_K& blk, int h, __m256i q[4]) {
                          _mm256_and_si256(_mm256_srli_epi16(hb, 2), bits45));
 }
 
-}  // namespace
-
-float vec_dot_q4_K_avx2(int K, const void* w, const void* a) {
-  return dot_q45_K<false>(K, static_cast<const uint8_t*>(w), sizeof(BlockQ4_K), kQ4Scales, 0,
-                          kQ4Qs, static_cast<const ActQ8_256*>(a));
-}
-
-float vec_dot_q5_K_avx2(int K, const void* w, const void* a) {
-  return dot_q45_K<true>(K, static_cast<const uint8_t*>(w), sizeof(BlockQ5_K), kQ5Scales, kQ5Qh,
-                         kQ5Qs, static_cast<const ActQ8_256*>(a));
-}
-
-float vec_dot_q6_K_avx2(int K, const void* w, const void* a) {
-  const auto* blocks = static_cast<const BlockQ6_K*>(w);
-  const auto* act = static_cast<const ActQ8_256*>(a);
-  __m256 acc = _mm256_setzero_ps();
+// Q6_K: one weight row times N activation rows, as dot_q45_K.
+template <int N>
+inline void dot_q6_K(int K, const BlockQ6_K* blocks, const uint8_t* act, size_t act_stride,
+                     float* out, size_t out_stride) {
+  __m256 acc[N];
+  for (int j = 0; j < N; ++j) acc[j] = _mm256_setzero_ps();
   for (int b = 0; b < K / QK_K; ++b) {
     const BlockQ6_K& blk = blocks[b];
-    const ActQ8_256& x = act[b];
+    const ActQ8_256* x[N];
+    for (int j = 0; j < N; ++j) x[j] = reinterpret_cast<const ActQ8_256*>(act + j * act_stride) + b;
     prefetch_ahead(&blk, 4);  // 210 bytes a block
     const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk.scales));
+    const __m256i sc8_16 = _mm256_cvtepi8_epi16(sc8);
     // The -32 offset: 32 * sum_g scale_g * bsums_g, taken off the super-block's int32 sum.
-    __m256i isum = _mm256_sub_epi32(
-        _mm256_setzero_si256(),
-        _mm256_slli_epi32(_mm256_madd_epi16(load256(bsums_of(x)), _mm256_cvtepi8_epi16(sc8)), 5));
+    __m256i isum[N];
+    for (int j = 0; j < N; ++j) {
+      isum[j] = _mm256_sub_epi32(
+          _mm256_setzero_si256(),
+          _mm256_slli_epi32(_mm256_madd_epi16(load256(bsums_of(*x[j])), sc8_16), 5));
+    }
     for (int h = 0; h < 2; ++h) {
       __m256i q[4];
       q6_half(blk, h, q);
@@ -223,15 +229,64 @@ float vec_dot_q6_K_avx2(int K, const void* w, const void* a) {
       const __m128i sc_half = h == 0 ? sc8 : _mm_unpackhi_epi64(sc8, sc8);
       const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(sc_half));
       for (int i = 0; i < 4; ++i) {
-        const __m256i p = _mm256_maddubs_epi16(q[i], load256(x.qs + 128 * h + 32 * i));
         const __m256i s = _mm256_shuffle_epi8(sc16, pick16(8 + i));
-        isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, s));
+        for (int j = 0; j < N; ++j) {
+          const __m256i p = _mm256_maddubs_epi16(q[i], load256(x[j]->qs + 128 * h + 32 * i));
+          isum[j] = _mm256_add_epi32(isum[j], _mm256_madd_epi16(p, s));
+        }
       }
     }
-    const float d = _cvtsh_ss(blk.d) * x.d;
-    acc = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(isum), acc);
+    const float d = _cvtsh_ss(blk.d);
+    for (int j = 0; j < N; ++j) {
+      acc[j] = _mm256_fmadd_ps(_mm256_set1_ps(d * x[j]->d), _mm256_cvtepi32_ps(isum[j]), acc[j]);
+    }
   }
-  return hsum(acc);
+  for (int j = 0; j < N; ++j) out[j * out_stride] = hsum(acc[j]);
+}
+
+}  // namespace
+
+float vec_dot_q4_K_avx2(int K, const void* w, const void* a) {
+  float out;
+  dot_q45_K<false, 1>(K, static_cast<const uint8_t*>(w), sizeof(BlockQ4_K), kQ4Scales, 0, kQ4Qs,
+                      static_cast<const uint8_t*>(a), 0, &out, 0);
+  return out;
+}
+
+float vec_dot_q5_K_avx2(int K, const void* w, const void* a) {
+  float out;
+  dot_q45_K<true, 1>(K, static_cast<const uint8_t*>(w), sizeof(BlockQ5_K), kQ5Scales, kQ5Qh,
+                     kQ5Qs, static_cast<const uint8_t*>(a), 0, &out, 0);
+  return out;
+}
+
+float vec_dot_q6_K_avx2(int K, const void* w, const void* a) {
+  float out;
+  dot_q6_K<1>(K, static_cast<const BlockQ6_K*>(w), static_cast<const uint8_t*>(a), 0, &out, 0);
+  return out;
+}
+
+void vec_dot_cols_q4_K_avx2(int K, const void* w, const void* act, size_t act_stride, int n,
+                            float* out, size_t out_stride) {
+  kq_by_columns(n, act, act_stride, out, out_stride, [&]<int N>(const uint8_t* a, float* o) {
+    dot_q45_K<false, N>(K, static_cast<const uint8_t*>(w), sizeof(BlockQ4_K), kQ4Scales, 0,
+                        kQ4Qs, a, act_stride, o, out_stride);
+  });
+}
+
+void vec_dot_cols_q5_K_avx2(int K, const void* w, const void* act, size_t act_stride, int n,
+                            float* out, size_t out_stride) {
+  kq_by_columns(n, act, act_stride, out, out_stride, [&]<int N>(const uint8_t* a, float* o) {
+    dot_q45_K<true, N>(K, static_cast<const uint8_t*>(w), sizeof(BlockQ5_K), kQ5Scales, kQ5Qh,
+                       kQ5Qs, a, act_stride, o, out_stride);
+  });
+}
+
+void vec_dot_cols_q6_K_avx2(int K, const void* w, const void* act, size_t act_stride, int n,
+                            float* out, size_t out_stride) {
+  kq_by_columns(n, act, act_stride, out, out_stride, [&]<int N>(const uint8_t* a, float* o) {
+    dot_q6_K<N>(K, static_cast<const BlockQ6_K*>(w), a, act_stride, o, out_stride);
+  });
 }
 
 void dequant_row_q4_K_avx2(int K, const void* w, float* out) {

@@ -93,7 +93,7 @@ def test_linear_multi_equals_its_parts_side_by_side(isa: str) -> None:
         torch.testing.assert_close(fused, separate, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "F16"])
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16"])
 def test_a_row_does_not_depend_on_the_batch_it_shares(type_name: str, isa: str) -> None:
     """Decode batches go through column kernels (several activation rows per weight row):
     each row's result must be the one it gets alone, bit for bit."""

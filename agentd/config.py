@@ -118,9 +118,10 @@ class EngineConfig:
             raise ValueError(
                 f"max_pinned_fraction must be within [0, 1], not {self.max_pinned_fraction}"
             )
-        if self.attention_backend not in ("auto", "torch", "triton"):
+        if self.attention_backend not in ("auto", "torch", "cpu", "triton"):
             raise ValueError(
-                f"attention_backend must be auto, torch or triton, not {self.attention_backend!r}"
+                f"attention_backend must be auto, torch, cpu or triton, not "
+                f"{self.attention_backend!r}"
             )
         if self.cpu_linear not in ("onednn", "torch"):
             raise ValueError(f"cpu_linear must be onednn or torch, not {self.cpu_linear!r}")

@@ -144,7 +144,8 @@ class LLMEngine:
             config.kv_cache_memory_bytes), free_bytes, unresident)
         self.num_blocks = self.kv_plan.num_blocks
         self.max_model_len = self.kv_plan.max_model_len
-        backend = get_attention_backend(config.attention_backend, self.loaded.device)
+        backend = get_attention_backend(config.attention_backend, self.loaded.device,
+                                        native_cpu=model.native_ops)
         self.kv_cache = KVCacheManager(self.num_blocks, block_size, config.enable_prefix_caching,
                                        extra_key=self.fingerprint.encode())
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs,

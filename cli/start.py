@@ -95,7 +95,9 @@ def _option(name: str, **kwargs: Any) -> Any:
               "keep a dense fp32 twin of each layer (fastest; the fp32 bytes again) or "
               "dequantize per step (least memory, slower prefill).")
 @_option("--attention-backend", default=_DEFAULTS["attention_backend"],
-         type=click.Choice(["auto", "torch", "triton"]), help="Attention kernels.")
+         type=click.Choice(["auto", "torch", "cpu", "triton"]),
+         help="Attention kernels: triton on CUDA; on the CPU agentd's C++ ones (cpu) for a "
+              "GGUF served as it ships, torch's (the references) otherwise.")
 @_option("--cpu-linear", default=_DEFAULTS["cpu_linear"],
          type=click.Choice(["onednn", "torch"]),
          help="CPU matmuls: oneDNN with packed weights, or torch's F.linear.")

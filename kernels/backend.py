@@ -1,4 +1,9 @@
-"""Backend selection: the runner calls ``write_kv``, ``decode`` and ``prefill`` on one object."""
+"""Backend selection: the runner calls ``write_kv``, ``decode`` and ``prefill`` on one object.
+
+``torch`` holds the references (the CPU path of every model), ``cpu`` runs decode attention in
+agentd's C++ extension (``agentd.kernels.cpu.fused``; models whose layers use the fused CPU ops,
+GGUFs served as they ship), ``triton`` is CUDA's.
+"""
 
 from __future__ import annotations
 
@@ -41,12 +46,25 @@ TORCH_BACKEND = AttentionBackend(
 )
 
 
-def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """Pick ``torch`` or ``triton``; ``auto`` is Triton on CUDA and torch elsewhere."""
+def _cpu_backend() -> AttentionBackend:
+    from agentd.kernels.cpu import fused
+
+    return AttentionBackend("cpu", reference_write_kv, fused.decode_attention,
+                            torch_prefill_attention)
+
+
+def get_attention_backend(name: str, device: torch.device,
+                          native_cpu: bool = False) -> AttentionBackend:
+    """Pick ``torch``, ``cpu`` or ``triton``; ``auto`` is Triton on CUDA, elsewhere ``cpu`` for
+    a model on the fused CPU ops (``native_cpu``) and torch for the others."""
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        name = "triton" if device.type == "cuda" else "cpu" if native_cpu else "torch"
     if name == "torch":
         return TORCH_BACKEND
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError("the cpu attention backend runs on the CPU only")
+        return _cpu_backend()
     if name == "triton":
         try:
             from agentd.kernels.triton_backend import TRITON_BACKEND
@@ -56,4 +74,4 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
                 "`pip install triton` or use --attention-backend torch"
             ) from exc
         return TRITON_BACKEND
-    raise ValueError(f"unknown attention backend {name!r}: use auto, torch or triton")
+    raise ValueError(f"unknown attention backend {name!r}: use auto, torch, cpu or triton")

@@ -212,6 +212,7 @@ def build_model(gguf: GgufFile, config: ModelConfig) -> LlamaModel:
             if t.is_meta]
     if left:  # a module this loader does not know of: never serve it uninitialized
         raise ModelLoadError(f"{gguf.path.name}: no GGUF tensor for {', '.join(left[:3])}")
+    model.use_native_ops()
     return model.eval()
 
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from agentd.kernels import AttentionBackend
+from agentd.kernels.cpu import fused
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -315,6 +316,8 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
+    native_ops = False  # rotary + KV write as one fused CPU call (agentd.kernels.cpu.fused)
+
     def __init__(self, dims: ModelDims, device: torch.device | str | None = None) -> None:
         super().__init__()
         self.dims = dims
@@ -337,11 +340,15 @@ class Attention(nn.Module):
         v = v.reshape(num_tokens, d.num_kv_heads, d.head_dim)
         if d.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        if d.rope_interleaved:
-            q, k = RotaryEmbedding.apply_interleaved(rope, q, k)
+        if self.native_ops:  # q and k rotated in place
+            fused.rope_write_kv(q, k, v, rope[0].squeeze(1), rope[1].squeeze(1),
+                                d.rope_interleaved, kv_cache, meta.slot_mapping)
         else:
-            q, k = RotaryEmbedding.apply(rope, q, k)
-        backend.write_kv(k, v, kv_cache, meta.slot_mapping)
+            if d.rope_interleaved:
+                q, k = RotaryEmbedding.apply_interleaved(rope, q, k)
+            else:
+                q, k = RotaryEmbedding.apply(rope, q, k)
+            backend.write_kv(k, v, kv_cache, meta.slot_mapping)
         num_decode = meta.num_decode_tokens
         if num_decode == num_tokens:
             out = backend.decode(q, kv_cache, meta.decode_block_tables, meta.decode_seq_lens,
@@ -363,6 +370,8 @@ MLP_ROWS = 512  # rows per MLP piece: a bound on activation memory, not a speed 
 
 
 class MLP(nn.Module):
+    native_ops = False  # SiLU(gate) * up as one fused CPU call
+
     def __init__(self, dims: ModelDims, device: torch.device | str | None = None) -> None:
         super().__init__()
         self.intermediate_size = dims.intermediate_size
@@ -384,6 +393,8 @@ class MLP(nn.Module):
         return out
 
     def _rows(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native_ops:
+            return self.down_proj(fused.silu_mul(self.gate_up_proj(x)))
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -404,6 +415,8 @@ class DecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     """Embedding, decoder layers, final norm and LM head over a flattened paged batch."""
+
+    native_ops = False  # see use_native_ops
 
     def __init__(self, config, max_positions: int | None = None,
                  device: torch.device | str | None = None) -> None:
@@ -428,9 +441,37 @@ class LlamaModel(nn.Module):
         """Returns final hidden states ``[num_tokens, hidden_size]`` (after the last norm)."""
         x = self.embed_tokens(input_ids)
         rope = self.rotary.table(positions, x.dtype)
+        if self.native_ops:
+            return self._fused_layers(x, rope, kv_caches, meta, backend)
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, rope, kv_cache, meta, backend)
         return self.norm(x)
+
+    def use_native_ops(self) -> None:
+        """Run the small per-layer ops of float32 CPU steps as fused C++ calls: each norm with
+        the residual add before it, rotary + KV write, SiLU x up (agentd.kernels.cpu.fused;
+        their torch references where the extension is unavailable). Equal to the plain layers
+        up to fp32 rounding; pair it with the ``cpu`` attention backend."""
+        self.native_ops = True
+        for layer in self.layers:
+            layer.self_attn.native_ops = layer.mlp.native_ops = True
+
+    def _fused_layers(self, x: torch.Tensor, rope: RopeTable, kv_caches: list[torch.Tensor],
+                      meta: AttentionMetadata, backend: AttentionBackend) -> torch.Tensor:
+        """The decoder layers with the residual stream apart: ``residual`` accumulates every
+        layer's outputs in place, each norm is fused with the add before it."""
+        residual = x
+        norms = [(layer.input_layernorm, layer.post_attention_layernorm)
+                 for layer in self.layers]
+        first = norms[0][0]
+        h = fused.add_rms_norm(None, residual, first.weight, first.eps)
+        for i, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches, strict=True)):
+            post = norms[i][1]
+            h = fused.add_rms_norm(layer.self_attn(h, rope, kv_cache, meta, backend), residual,
+                                   post.weight, post.eps)
+            after = norms[i + 1][0] if i + 1 < len(norms) else self.norm
+            h = fused.add_rms_norm(layer.mlp(h), residual, after.weight, after.eps)
+        return h
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

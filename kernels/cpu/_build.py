@@ -42,7 +42,8 @@ SOURCE_DIR = Path(__file__).resolve().parent
 # Always compiled; the K-quant files (kquants_*.cpp) join when they compile, and their types are
 # offered only then (dispatch.cpp links them as weak symbols).
 CORE_SOURCES = ("bindings.cpp", "dispatch.cpp", "simple_scalar.cpp", "simple_avx2.cpp",
-                "simple_avx512.cpp")
+                "simple_avx512.cpp", "ops_bindings.cpp", "ops_scalar.cpp", "ops_avx2.cpp",
+                "ops_avx512.cpp")
 CFLAGS = ("-O3",)
 
 

@@ -184,6 +184,8 @@ bool has_type(int64_t type_id) {
 
 }  // namespace
 
+void register_ops(py::module_& m);  // ops_bindings.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "agentd's CPU kernels for GGUF block formats";
   m.def("best_isa", &agentd_cpu::best_isa, "0 scalar, 1 AVX2, 2 AVX-512 VNNI (cpuid)");
@@ -196,4 +198,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out") = py::none());
   m.def("dequantize", &dequantize, "out[rows, K] = dequant(w)");
   m.def("quantize_act", &quantize_act, "x[n, K] -> activation blocks [n, bytes]");
+  register_ops(m);
 }

@@ -10,32 +10,11 @@
 #include <cstdint>
 #include <cstring>
 
+#include "fp16.h"
 #include "ggml_blocks.h"
 
 namespace agentd_cpu {
 namespace {
-
-// Exact fp16 -> fp32 for every input, subnormals, infinities and NaNs included.
-inline float kq_fp16_to_fp32(uint16_t h) {
-  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  const uint32_t exp = (h >> 10) & 0x1fu;
-  const uint32_t mant = h & 0x3ffu;
-  uint32_t bits;
-  if (exp == 0x1fu) {
-    bits = sign | 0x7f800000u | (mant << 13);
-  } else if (exp != 0) {
-    bits = sign | ((exp + 112u) << 23) | (mant << 13);  // rebias 15 -> 127
-  } else {
-    // Zero or subnormal: mant * 2^-24, exact in fp32 (mant has at most 10 bits).
-    const float mag = static_cast<float>(mant) * 5.9604644775390625e-8f;
-    uint32_t mag_bits;
-    std::memcpy(&mag_bits, &mag, 4);
-    bits = sign | mag_bits;
-  }
-  float out;
-  std::memcpy(&out, &bits, 4);
-  return out;
-}
 
 // The eight 6-bit scales and eight 6-bit minimums of a Q4_K/Q5_K super-block, one byte each,
 // as two little-endian 64-bit words (byte j = sub-block j). Four bytes at a time: bytes 0-3 hold

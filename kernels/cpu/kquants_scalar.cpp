@@ -46,8 +46,8 @@ float dot_q45_K(int K, const uint8_t* row, size_t block_bytes, size_t scales_off
     uint16_t d16, dmin16;
     std::memcpy(&d16, blk, 2);
     std::memcpy(&dmin16, blk + 2, 2);
-    sum += kq_fp16_to_fp32(d16) * a.d * static_cast<float>(dot) -
-           kq_fp16_to_fp32(dmin16) * a.d * static_cast<float>(min_dot);
+    sum += fp16_to_fp32(d16) * a.d * static_cast<float>(dot) -
+           fp16_to_fp32(dmin16) * a.d * static_cast<float>(min_dot);
   }
   return sum;
 }
@@ -60,7 +60,7 @@ void dequant_q45_K(int K, const uint8_t* row, size_t block_bytes, size_t scales_
     uint16_t d16, dmin16;
     std::memcpy(&d16, blk, 2);
     std::memcpy(&dmin16, blk + 2, 2);
-    const float d = kq_fp16_to_fp32(d16), dmin = kq_fp16_to_fp32(dmin16);
+    const float d = fp16_to_fp32(d16), dmin = fp16_to_fp32(dmin16);
     for (int j = 0; j < 8; ++j) {
       const float ds = d * kq_byte(sm.scales, j), dm = dmin * kq_byte(sm.mins, j);
       const uint8_t* qs = blk + qs_off + 32 * (j / 2);
@@ -122,7 +122,7 @@ float vec_dot_q6_K_scalar(int K, const void* w, const void* a) {
         dot += blk.scales[8 * h + g] * (s - 32 * x.bsums[8 * h + g]);
       }
     }
-    sum += kq_fp16_to_fp32(blk.d) * x.d * static_cast<float>(dot);
+    sum += fp16_to_fp32(blk.d) * x.d * static_cast<float>(dot);
   }
   return sum;
 }
@@ -139,7 +139,7 @@ void dequant_row_q5_K(int K, const void* w, float* out) {
 void dequant_row_q6_K(int K, const void* w, float* out) {
   const auto* blocks = static_cast<const BlockQ6_K*>(w);
   for (int b = 0; b < K / QK_K; ++b, out += QK_K) {
-    const float d = kq_fp16_to_fp32(blocks[b].d);
+    const float d = fp16_to_fp32(blocks[b].d);
     for (int h = 0; h < 2; ++h) {
       uint8_t q[128];
       q6_half(blocks[b], h, q);

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -103,3 +103,16 @@ def _make_pool(gen: torch.Generator, num_blocks: int, block_size: int, num_kv_he
 def make_pool() -> Callable[..., torch.Tensor]:
     """Random pools for the CPU paths (no NaN: they may read a partial block's unused slots)."""
     return _make_pool
+
+
+@pytest.fixture(params=["avx512_vnni", "avx2", "scalar", "torch"])
+def isa(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Each path of ``agentd.kernels.cpu`` this CPU runs (the others skip), set for the test."""
+    from agentd.kernels import cpu
+
+    if request.param not in cpu.available_isas():
+        pytest.skip(cpu.native_unavailable_reason()
+                    or f"this CPU lacks {request.param} (cpuid): its kernels only compile here")
+    cpu.set_isa(request.param)
+    yield request.param
+    cpu.set_isa(None)

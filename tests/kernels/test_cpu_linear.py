@@ -12,7 +12,6 @@ dequantized weights by fp32 activations, so they meet the fp32 bound against the
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -30,14 +29,6 @@ BATCHES = [1, 2, 7, 16, cpu.TILE_MIN_BATCH]
 FP32_RTOL = 1e-5
 
 
-@pytest.fixture(params=["avx512_vnni", "avx2", "scalar", "torch"])
-def isa(request: pytest.FixtureRequest) -> Iterator[str]:
-    if request.param not in cpu.available_isas():
-        pytest.skip(cpu.native_unavailable_reason()
-                    or f"this CPU lacks {request.param} (cpuid): its kernels only compile here")
-    cpu.set_isa(request.param)
-    yield request.param
-    cpu.set_isa(None)
 
 
 def _quantized_x(x: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarray]:

@@ -7,7 +7,6 @@ build: the forced-ISA switch, the torch path when no compiler exists, errors tha
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -21,14 +20,6 @@ from agentd.kernels.cpu.formats import ACT_Q8_32, ACT_Q8_256, GGML_TYPES
 NATIVE_ISAS = ["avx512_vnni", "avx2", "scalar"]
 
 
-@pytest.fixture(params=NATIVE_ISAS + ["torch"])
-def isa(request: pytest.FixtureRequest) -> Iterator[str]:
-    if request.param not in cpu.available_isas():
-        reason = cpu.native_unavailable_reason() or f"this CPU cannot run {request.param}"
-        pytest.skip(reason)
-    cpu.set_isa(request.param)
-    yield request.param
-    cpu.set_isa(None)
 
 
 def test_self_check_passes_on_every_native_isa(isa: str) -> None:

@@ -1,0 +1,76 @@
+// The small per-layer operations of a CPU decode step, fused: paged decode attention, rotary +
+// KV write, RMSNorm with its residual add, SiLU(gate) * up. Each costs few bytes; run as torch
+// ops they cost ~40 dispatches a layer (a third of a 1.7B model's decode step), here one call.
+//
+// Plain C++ (no torch): ops_scalar/avx2/avx512.cpp compile ops_impl.h under their own target
+// pragma and return their table; ops_bindings.cpp checks tensors, splits work over threads and
+// picks the table by the same ISA index as the products.
+//
+// Invariant: attention reads only the slots below each sequence's length (a partial block's
+// other slots may hold anything) and accumulates in fp32 whatever the pool's dtype; a KV write
+// touches only the slots it is given and rounds to the pool's dtype to nearest-even, as torch's
+// conversions do.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "ggml_blocks.h"
+
+namespace agentd_cpu {
+
+enum KvDtype : int { kKvF32 = 0, kKvF16 = 1, kKvBF16 = 2 };
+
+// One layer's pool, logically [num_blocks, 2, block_size, num_kv_heads, head_dim] (strides in
+// elements; keys at kv index 0, values at 1).
+struct KvLayout {
+  void* data;
+  KvDtype dtype;
+  int64_t block_stride, kv_stride, token_stride, head_stride;
+  int block_size, num_kv_heads, head_dim;
+  DequantRowFn widen;  // one head's row of the pool's dtype -> fp32 (F16/BF16 dequantizer)
+};
+
+// A decode step's queries: [S, H, D], rows query_stride apart, heads D apart.
+struct DecodeBatch {
+  const float* query;
+  int64_t query_stride;
+  int num_heads;
+  float scale;
+};
+
+// Scratch floats attend_span needs for num_rows rows over n slots: scaled queries, scores and
+// one slot's row widened.
+inline size_t span_scratch_floats(const KvLayout& kv, int num_heads, int num_rows, int n) {
+  const size_t queries = static_cast<size_t>(num_rows) * num_heads;
+  return queries * (kv.head_dim + n) + static_cast<size_t>(kv.num_kv_heads) * kv.head_dim;
+}
+
+struct OpsKernels {
+  // The queries of rows[0..num_rows) (every head) against slots [p0, p1) of one block table:
+  // per query [top score, sum of exp(score - top), sum of exp(score - top) * value] (D + 2
+  // floats) at partial + (r * num_heads + h) * (D + 2).
+  void (*attend_span)(const KvLayout& kv, const DecodeBatch& batch, const int32_t* rows,
+                      int num_rows, const int32_t* table, int p0, int p1, float* partial,
+                      float* scratch);
+  // One query's output from the partials of the spans that cover its context.
+  void (*merge_spans)(const float* const* partials, int num_spans, int head_dim, float* out);
+  // residual += x (x may be null), out = residual * rsqrt(mean(residual^2) + eps) * weight.
+  void (*add_rms_norm)(int n, const float* x, float* residual, const float* weight, float eps,
+                       float* out);
+  // out[i] = silu(gate[i]) * up[i].
+  void (*silu_mul)(int n, const float* gate, const float* up, float* out);
+  // Rotary on num_heads heads of one token (heads head_stride apart), in place: pairs (2i, 2i+1)
+  // if interleaved, else (i, i + D/2), by cos[i], sin[i] for i < D/2.
+  void (*rope)(float* x, int num_heads, int64_t head_stride, int head_dim, const float* cos,
+               const float* sin, bool interleaved);
+  // One head row of n floats into the pool's dtype.
+  void (*store_row)(const float* src, void* dst, KvDtype dtype, int n);
+};
+
+const OpsKernels& ops_kernels(int isa);
+const OpsKernels& ops_kernels_scalar();
+const OpsKernels& ops_kernels_avx2();
+const OpsKernels& ops_kernels_avx512();
+
+}  // namespace agentd_cpu

@@ -1,0 +1,142 @@
+"""The fused decode-step operations (agentd.kernels.cpu.fused) against their torch references, on
+every ISA path this CPU runs (the AVX2 one forced on an AVX-512 machine, and torch's)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from agentd.kernels.cpu import fused
+from agentd.kernels.decode_attention import reference_decode_attention
+
+POOL_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.mark.parametrize("kv_dtype", POOL_DTYPES)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(4, 4, 64), (8, 2, 128), (6, 1, 80)])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_decode_attention_matches_the_reference_and_reads_no_unused_slot(
+        kv_dtype, num_heads, num_kv_heads, head_dim, block_size, isa, paged_kv, generator):
+    seq_lens = [1, block_size, block_size + 3, 5 * block_size - 1, 77]
+    kv = paged_kv(seq_lens, block_size, num_kv_heads, head_dim, kv_dtype, torch.device("cpu"),
+                  generator)
+    query = torch.randn(len(seq_lens), num_heads, head_dim, generator=generator)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    # The torch path may read a partial block's unused slots (masked after): its pool is clean.
+    pool = kv.clean_kv_cache if isa == "torch" else kv.kv_cache
+    actual = fused.decode_attention(query, pool, kv.block_tables, lens, 0.3)
+    expected = reference_decode_attention(query, kv.clean_kv_cache.float(), kv.block_tables,
+                                          lens, 0.3)
+    assert not actual.isnan().any(), "a NaN (unused) slot of the pool was read"
+    torch.testing.assert_close(actual, expected, atol=2e-5, rtol=2e-5)
+
+
+def _shared_prefix_batch(gen: torch.Generator, block_size: int, groups: list[int],
+                         shared_blocks: int, num_blocks: int = 96
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows in groups sharing ``shared_blocks`` leading blocks (agents on one prefix), each with
+    a tail of its own; blocks in random order."""
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, lens = [], []
+    for rows in groups:
+        prefix = [free.pop() for _ in range(shared_blocks)]
+        for _ in range(rows):
+            tail = int(torch.randint(1, 3 * block_size, (1,), generator=gen))
+            tables.append(prefix + [free.pop() for _ in range(-(-tail // block_size))])
+            lens.append(shared_blocks * block_size + tail)
+    width = max(len(t) for t in tables) + 1
+    return (torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+            torch.tensor(lens, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("kv_dtype", POOL_DTYPES)
+@pytest.mark.parametrize("groups,shared_blocks", [([8], 6), ([3, 1, 4], 2), ([2], 0), ([5], 1)])
+def test_decode_attention_over_shared_prefixes(kv_dtype, groups, shared_blocks, isa, generator):
+    block_size, num_kv_heads, head_dim = 16, 2, 64
+    planes = torch.randn(2, 96, block_size, num_kv_heads, head_dim, generator=generator)
+    kv_cache = planes.to(kv_dtype).transpose(0, 1)  # the runner's layout: keys, then values
+    tables, lens = _shared_prefix_batch(generator, block_size, groups, shared_blocks)
+    query = torch.randn(len(lens), 8, head_dim, generator=generator)
+    actual = fused.decode_attention(query, kv_cache, tables, lens, 0.125)
+    expected = reference_decode_attention(query, kv_cache.float(), tables, lens, 0.125)
+    torch.testing.assert_close(actual, expected, atol=2e-5, rtol=2e-5)
+
+
+def test_decode_attention_rejects_a_block_outside_the_pool(isa):
+    if isa == "torch":
+        pytest.skip("the torch path indexes the pool and raises its own IndexError")
+    kv_cache = torch.zeros(4, 2, 16, 1, 64)
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        fused.decode_attention(torch.zeros(1, 1, 64), kv_cache,
+                               torch.tensor([[9]], dtype=torch.int32),
+                               torch.tensor([3], dtype=torch.int32), 1.0)
+
+
+@pytest.mark.parametrize("kv_dtype", POOL_DTYPES)
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_rope_write_kv_rotates_views_of_one_projection_and_writes_their_slots(
+        kv_dtype, interleaved, isa, generator):
+    tokens, num_heads, num_kv_heads, head_dim, block_size = 5, 4, 2, 64, 16
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = torch.randn(tokens, q_size + 2 * kv_size, generator=generator)
+    angles = torch.rand(tokens, head_dim // 2, generator=generator) * 6.0
+    cos, sin = angles.cos(), angles.sin()
+    slots = torch.tensor([3, 17, 18, 40, 63])
+    pools, rotated = [], []
+    for impl in (fused.rope_write_kv, fused.reference_rope_write_kv):
+        x = qkv.clone()
+        q, k, v = (part.reshape(tokens, -1, head_dim)
+                   for part in x.split([q_size, kv_size, kv_size], dim=-1))
+        pool = torch.full((2, 4, block_size, num_kv_heads, head_dim), 7.0).to(kv_dtype)
+        pool = pool.transpose(0, 1)
+        impl(q, k, v, cos, sin, interleaved, pool, slots)
+        pools.append(pool)
+        rotated.append(x)
+    torch.testing.assert_close(rotated[0], rotated[1], atol=1e-6, rtol=1e-6)
+    tol = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}[kv_dtype]
+    torch.testing.assert_close(pools[0].float(), pools[1].float(), atol=tol, rtol=tol)
+    untouched = torch.ones(4 * block_size, dtype=torch.bool)
+    untouched[slots] = False
+    by_slot = pools[0].permute(0, 2, 1, 3, 4).reshape(4 * block_size, -1)
+    assert (by_slot[untouched] == 7.0).all()
+    assert not (by_slot[slots] == 7.0).all(dim=-1).any()
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
+def test_pool_writes_round_like_torch(kv_dtype, isa):
+    """Ties, subnormals, overflow, infinities and NaN land in the pool as ``Tensor.to`` rounds
+    them (written as values, which the rotary leaves alone)."""
+    special = torch.tensor([1.0 + 2**-11, 1.0 + 3 * 2**-11, 2**-24, 3 * 2**-25, 2**-15 + 2**-25,
+                            65504.0, 65519.0, 65520.0, 1e6, -1e-9, float("inf"), float("-inf"),
+                            float("nan"), 1.0 + 2**-8, 1.0 + 3 * 2**-8, 3.1e-40, 0.0, -0.0,
+                            123.456, -3e38])
+    head_dim = 64
+    values = torch.cat([special, torch.randn(head_dim - special.numel())])
+    pool = torch.zeros(1, 2, 16, 1, head_dim, dtype=kv_dtype)
+    fused.rope_write_kv(torch.zeros(1, 1, head_dim), torch.zeros(1, 1, head_dim),
+                        values.reshape(1, 1, head_dim).clone(), torch.ones(1, head_dim // 2),
+                        torch.zeros(1, head_dim // 2), False, pool, torch.tensor([0]))
+    written, expected = pool[0, 1, 0, 0], values.to(kv_dtype)
+    nan = expected.isnan()
+    assert torch.equal(written.isnan(), nan)
+    assert torch.equal(written[~nan].view(torch.int16), expected[~nan].view(torch.int16))
+
+
+@pytest.mark.parametrize("rows,K", [(1, 2048), (3, 576), (40, 1000), (2, 7)])
+@pytest.mark.parametrize("with_x", [True, False])
+def test_add_rms_norm_updates_the_residual_and_normalizes_it(rows, K, with_x, isa, generator):
+    residual = torch.randn(rows, K, generator=generator) * 3
+    x = torch.randn(rows, K, generator=generator) if with_x else None
+    weight = torch.rand(K, generator=generator) + 0.5
+    ref_residual = residual.clone()
+    expected = fused.reference_add_rms_norm(x, ref_residual, weight, 1e-5)
+    actual = fused.add_rms_norm(x, residual, weight, 1e-5)
+    torch.testing.assert_close(residual, ref_residual, atol=0, rtol=0)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows,size", [(1, 8192), (5, 1536), (70, 100)])
+def test_silu_mul(rows, size, isa, generator):
+    gate_up = torch.randn(rows, 2 * size, generator=generator) * 6
+    torch.testing.assert_close(fused.silu_mul(gate_up), fused.reference_silu_mul(gate_up),
+                               atol=1e-6, rtol=1e-5)

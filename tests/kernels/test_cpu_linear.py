@@ -12,7 +12,6 @@ dequantized weights by fp32 activations, so they meet the fp32 bound against the
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 import torch

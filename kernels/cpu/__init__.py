@@ -3,10 +3,12 @@
 A call quantizes its activation rows once into the type's int8 blocks (absmax per block; fp32
 rows for F16/BF16), then threads over output rows with integer dot products and one multiply by
 the two scales per block (``kernels/cpu/*.cpp``, AVX2+FMA or AVX-512-VNNI by cpuid, scalar
-otherwise). Large batches (prefill) instead dequantize tiles of rows into one reused fp32
-buffer and multiply them with a dense GEMM, which is compute-bound there. Without a compiler,
-or for a type whose kernels did not compile, the same API runs on torch ops (dequantize tiles,
-then a dense product), slower but equal up to the activations' int8 rounding.
+otherwise). Large batches (prefill) instead dequantize tiles of rows into one reused buffer and
+multiply them with oneDNN's GEMM, in bfloat16 where the CPU has bfloat16 GEMMs (AVX512-BF16,
+AMX: ~2.3x the fp32 rate) and in fp32 elsewhere, except the K-quants on CPUs without them,
+whose int8 kernels beat the fp32 GEMM (see ``prefill_on_tiles``). Without a compiler, or for a
+type whose kernels did not compile, the same API runs on torch ops (dequantize tiles, then a
+dense product), slower but equal up to the activations' int8 rounding.
 
 Invariant: no fp32 copy of a whole quantized weight is ever made by a product (at most one
 tile of rows at a time); ``AGENTD_CPU_ISA=avx2|scalar|torch`` and ``set_isa`` only ever
@@ -15,6 +17,7 @@ lower the path.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -24,11 +27,12 @@ from types import ModuleType
 import torch
 
 from agentd.kernels.cpu import _build, _fallback
+from agentd.kernels._common import matmul_dtype
 from agentd.kernels.cpu.formats import GGML_TYPES, GgmlType, row_bytes
 
 __all__ = ["GGML_TYPES", "GgmlType", "active_isa", "available_isas", "build", "dequantize",
            "get_rows", "linear", "linear_multi", "native_available", "native_unavailable_reason",
-           "set_isa"]
+           "prefill_on_tiles", "set_isa"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +50,29 @@ TILE_BYTES = 8 << 20
 # 38.5/44.6; Q4_0 (column kernels) n=96 26.6/32.2. Quiet, the GEMM runs ~60 GFLOP/s (2x), which
 # moves the crossover down: 64.
 TILE_MIN_BATCH = 64
+
+
+K_QUANTS = frozenset({"Q4_K", "Q5_K", "Q6_K"})
+
+
+@functools.cache
+def bf16_tiles() -> bool:
+    """Whether prefill tiles multiply in bfloat16: where oneDNN has bfloat16 GEMMs (it reports
+    none under ``ONEDNN_MAX_CPU_ISA=AVX2``). Measured on a 2-core AMD EPYC (Zen 4), one thread,
+    [512, 2048] x [2048, 8192]: 193 GFLOP/s in bfloat16 against 85 in fp32."""
+    return matmul_dtype(torch.bfloat16, torch.device("cpu")) == torch.bfloat16
+
+
+def prefill_on_tiles(type_name: str, num_rows: int) -> bool:
+    """Whether ``num_rows`` activation rows go through dequantized tiles and a GEMM rather than
+    the int8 kernels. From TILE_MIN_BATCH rows on: always with bfloat16 GEMMs; with fp32 ones,
+    not for the K-quants, whose int8 kernels ran faster at every size measured (Zen 4, one
+    thread, 8192 x 2048, GFLOP/s int8 / fp32 tiles at n = 64 and 256: AVX2 Q4_K 79/50, 77/68,
+    Q6_K 74/50, 71/65; AVX-512 Q4_K 76/54, 93/77), while Q8_0's were slower (AVX2 33/46, 35/70).
+    """
+    if num_rows < TILE_MIN_BATCH:
+        return False
+    return bf16_tiles() or type_name not in K_QUANTS
 
 
 def tile_rows(K: int) -> int:
@@ -189,27 +216,42 @@ def _dequantize_into(weight: torch.Tensor, type_name: str, K: int, isa: str,
         _fallback.dequantize_into(weight, type_name, K, out)
 
 
-def _gemm_into(x: torch.Tensor, tile: torch.Tensor, out: torch.Tensor) -> None:
-    """out = x @ tile.T by oneDNN (torch's MKL sgemm ran 2-3.5x slower on this project's AMD
-    host; see agentd.model.llama.PackedLinear), on the plain tile: packing it would cost more
-    than it saves for one use."""
+def _gemm(x: torch.Tensor, tile: torch.Tensor) -> torch.Tensor:
+    """x @ tile.T by oneDNN (torch's MKL sgemm ran 2-3.5x slower on this project's AMD host;
+    see agentd.model.llama.PackedLinear), on the plain tile: packing it would cost more than it
+    saves for one use."""
     if torch.backends.mkldnn.is_available():
-        out.copy_(torch.ops.mkldnn._linear_pointwise(x, tile, None, "none", [], ""))
+        return torch.ops.mkldnn._linear_pointwise(x, tile, None, "none", [], "")
+    return torch.mm(x, tile.t())
+
+
+def _gemm_into(x: torch.Tensor, tile: torch.Tensor, out: torch.Tensor) -> None:
+    if torch.backends.mkldnn.is_available():
+        out.copy_(_gemm(x, tile))
     else:
         torch.mm(x, tile.t(), out=out)
 
 
 def _tiled(x: torch.Tensor, weight: torch.Tensor, type_name: str, isa: str,
            out: torch.Tensor) -> None:
-    """out = x @ dequant(weight).T, one tile of dequantized rows at a time."""
+    """out = x @ dequant(weight).T, one tile of dequantized rows at a time (the GEMM in
+    bfloat16 for TILE_MIN_BATCH rows or more where :func:`bf16_tiles`: inputs and output
+    rounded to bfloat16)."""
     rows, K = weight.shape[0], x.shape[1]
     step = tile_rows(K)
     buf = torch.empty(min(step, rows), K)
+    # bfloat16 for prefill-sized batches only: the torch path's decode keeps fp32 products.
+    low = (torch.empty(buf.shape, dtype=torch.bfloat16)
+           if bf16_tiles() and x.shape[0] >= TILE_MIN_BATCH else None)
+    x_low = x.to(torch.bfloat16) if low is not None else None
     for r0 in range(0, rows, step):
         r1 = min(r0 + step, rows)
         tile = buf[: r1 - r0]
         _dequantize_into(weight[r0:r1], type_name, K, isa, tile)
-        _gemm_into(x, tile, out[:, r0:r1])
+        if low is None:
+            _gemm_into(x, tile, out[:, r0:r1])
+        else:
+            out[:, r0:r1] = _gemm(x_low, low[: r1 - r0].copy_(tile))
 
 
 def _into(x: torch.Tensor, weight: torch.Tensor, type_name: str, isa: str,
@@ -217,7 +259,8 @@ def _into(x: torch.Tensor, weight: torch.Tensor, type_name: str, isa: str,
     """The product into ``out`` (a [n, rows] view with contiguous rows), by any path."""
     if type_name == "F32":
         torch.mm(x, _fallback.aligned(weight, 4).view(torch.float32).t(), out=out)
-    elif isa == "torch" or type_name not in _native().types or x.shape[0] >= TILE_MIN_BATCH:
+    elif (isa == "torch" or type_name not in _native().types
+          or prefill_on_tiles(type_name, x.shape[0])):
         _tiled(x, weight, type_name, isa, out)
     else:
         _native().module.linear(x, weight, GGML_TYPES[type_name].type_id, ISAS.index(isa), out)
@@ -229,7 +272,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, type_name: str,
     be a view of an mmap); returns float32 ``[n, rows]`` (``out`` if given)."""
     isa = active_isa()
     native = _state
-    if isa != "torch" and type_name in native.types and x.size(0) < TILE_MIN_BATCH:
+    if isa != "torch" and type_name in native.types and not prefill_on_tiles(type_name,
+                                                                             x.size(0)):
         # The decode path, one call: C++ checks the tensors; Python explains a failure.
         try:
             return native.module.linear(x, weight, _TYPE_IDS[type_name], ISAS.index(isa), out)
@@ -249,8 +293,8 @@ def linear_multi(x: torch.Tensor, parts: list[tuple[torch.Tensor, str]]) -> torc
     ``[n, sum(rows)]``, the activations quantized once per activation format."""
     isa = active_isa()
     native = _state
-    if (isa != "torch" and x.size(0) < TILE_MIN_BATCH
-            and all(t in native.types for _, t in parts)):
+    if (isa != "torch" and all(t in native.types and not prefill_on_tiles(t, x.size(0))
+                               for _, t in parts)):
         try:
             return native.module.linear_multi(x, [w for w, _ in parts],
                                               [_TYPE_IDS[t] for _, t in parts], ISAS.index(isa))

@@ -4,6 +4,8 @@
 // offered only when its scalar kernels are present.
 #include "dispatch.h"
 
+#include <algorithm>
+
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -156,15 +158,25 @@ size_t act_row_bytes(ActKind kind, int K) {
 void dot_rows(const TypeKernels& k, int K, const uint8_t* w, int64_t w_stride, int64_t r0,
               int64_t r1, const uint8_t* act, int64_t act_stride, int64_t n, float* out,
               int64_t out_stride) {
-  // One weight row at a time against every activation row: the weight row (a few KB) stays in
-  // L1 while the n activation rows stream from L2, so the weights are read from memory once.
-  for (int64_t r = r0; r < r1; ++r) {
-    const uint8_t* row = w + r * w_stride;
-    if (n > 1 && k.dot_cols != nullptr) {
-      k.dot_cols(K, row, act, act_stride, static_cast<int>(n), out + r, out_stride);
-      continue;
+  // One weight row at a time against a block of activation rows: the weight row (a few KB)
+  // stays in L1 while the block's rows stream from L2. Up to kActBlock rows (decode) the
+  // weights are read from memory once; a prefill's thousands of rows (MBs of activations)
+  // go block by block over the same weight rows, which then come from L2.
+  constexpr int64_t kActBlock = 64;
+  for (int64_t j0 = 0; j0 < n; j0 += kActBlock) {
+    const int64_t nj = std::min(kActBlock, n - j0);
+    const uint8_t* block = act + j0 * act_stride;
+    float* block_out = out + j0 * out_stride;
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint8_t* row = w + r * w_stride;
+      if (nj > 1 && k.dot_cols != nullptr) {
+        k.dot_cols(K, row, block, act_stride, static_cast<int>(nj), block_out + r, out_stride);
+        continue;
+      }
+      for (int64_t j = 0; j < nj; ++j) {
+        block_out[j * out_stride + r] = k.dot(K, row, block + j * act_stride);
+      }
     }
-    for (int64_t j = 0; j < n; ++j) out[j * out_stride + r] = k.dot(K, row, act + j * act_stride);
   }
 }
 

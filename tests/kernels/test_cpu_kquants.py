@@ -254,10 +254,14 @@ def test_linear_decode(cpu_api, q: KQuant, isa: str, n: int) -> None:
 
 @pytest.mark.parametrize("q", KQUANTS, ids=lambda q: q.name)
 @pytest.mark.parametrize("isa", ["scalar", "avx2"])
-def test_linear_prefill_and_rows(cpu_api, q: KQuant, isa: str) -> None:
-    """Many rows: dequantized tiles and a dense GEMM (no activation rounding); dequantize and
-    get_rows equal gguf's values exactly."""
+def test_linear_prefill_and_rows(cpu_api, q: KQuant, isa: str, monkeypatch) -> None:
+    """Many rows on dequantized tiles and a dense fp32 GEMM (no activation rounding; the
+    bfloat16 and int8 prefill paths are checked in test_cpu_linear); dequantize and get_rows
+    equal gguf's values exactly."""
     import torch
+
+    monkeypatch.setattr(cpu_api, "bf16_tiles", lambda: False)
+    monkeypatch.setattr(cpu_api, "prefill_on_tiles", lambda type_name, n: n >= 64)
 
     K, rows, n = 512, 300, 64  # 300 rows: more than one tile
     rng = np.random.default_rng(len(q.name))

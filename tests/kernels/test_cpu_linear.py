@@ -40,10 +40,24 @@ def _quantized_x(x: np.ndarray, type_name: str) -> tuple[np.ndarray, np.ndarray]
     return reference.dequantize_act(blocks), step
 
 
-def _check(got: np.ndarray, x: np.ndarray, raw: np.ndarray, type_name: str, int8: bool) -> None:
+BF16_REL = 2.0**-7  # weights, activations and outputs each rounded by <= 2^-9 relative
+
+
+def _mode(type_name: str, n: int, isa: str) -> str:
+    """How cpu.linear multiplies n rows: "int8" kernels, "bf16" or "fp32" tiles and GEMM."""
+    if isa != "torch" and type_name != "F32" and not cpu.prefill_on_tiles(type_name, n):
+        return "int8"
+    bf16 = cpu.bf16_tiles() and type_name != "F32" and n >= cpu.TILE_MIN_BATCH
+    return "bf16" if bf16 else "fp32"
+
+
+def _check(got: np.ndarray, x: np.ndarray, raw: np.ndarray, type_name: str, mode: str) -> None:
     w_abs = np.abs(reference.dequantize(raw, type_name, x.shape[1]).astype(np.float64))
     exact = reference.reference_linear(x, raw, type_name)
-    if int8:
+    if mode == "bf16":
+        np.testing.assert_array_less(np.abs(got - exact),
+                                     BF16_REL * (np.abs(x) @ w_abs.T) + 1e-30)
+    elif mode == "int8":
         xq, step = _quantized_x(x, type_name)
         as_quantized = reference.reference_linear(xq, raw, type_name)
         np.testing.assert_array_less(np.abs(got - as_quantized),
@@ -67,8 +81,24 @@ def test_linear_matches_reference(type_name: str, isa: str) -> None:
             x = rng.standard_normal((n, K)).astype(np.float32)
             got = cpu.linear(torch.from_numpy(x), torch.from_numpy(raw), type_name)
             assert got.shape == (n, rows) and got.dtype == torch.float32
-            int8 = isa != "torch" and n < cpu.TILE_MIN_BATCH and type_name != "F32"
-            _check(got.numpy().astype(np.float64), x, raw, type_name, int8)
+            _check(got.numpy().astype(np.float64), x, raw, type_name, _mode(type_name, n, isa))
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_prefill_batches_on_either_gemm(bf16: bool, isa: str,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prefill-sized batches (past the 64-row activation blocks of the int8 kernels) whether
+    this CPU has bfloat16 GEMMs or not: the K-quants stay on int8 kernels without them."""
+    monkeypatch.setattr(cpu, "bf16_tiles", lambda: bf16)
+    rng = np.random.default_rng(5)
+    for type_name in ("Q4_K", "Q6_K", "Q8_0"):
+        raw = reference.random_blocks(rng, type_name, 37, 512)
+        x = rng.standard_normal((cpu.TILE_MIN_BATCH * 2 + 3, 512)).astype(np.float32)
+        got = cpu.linear(torch.from_numpy(x), torch.from_numpy(raw), type_name)
+        mode = _mode(type_name, x.shape[0], isa)
+        assert mode == ("bf16" if bf16 else "int8" if type_name in cpu.K_QUANTS and isa != "torch"
+                        else "fp32")
+        _check(got.numpy().astype(np.float64), x, raw, type_name, mode)
 
 
 def test_linear_multi_equals_its_parts_side_by_side(isa: str) -> None:

@@ -26,8 +26,8 @@ from types import ModuleType
 
 import torch
 
-from agentd.kernels.cpu import _build, _fallback
 from agentd.kernels._common import matmul_dtype
+from agentd.kernels.cpu import _build, _fallback
 from agentd.kernels.cpu.formats import GGML_TYPES, GgmlType, row_bytes
 
 __all__ = ["GGML_TYPES", "GgmlType", "active_isa", "available_isas", "build", "dequantize",

@@ -142,6 +142,12 @@ void vec_dot_cols_q4_1_avx2(int K, const void* w, const void* act, size_t act_st
                             float* out, size_t out_stride);
 void vec_dot_cols_q8_0_avx2(int K, const void* w, const void* act, size_t act_stride, int n,
                             float* out, size_t out_stride);
+void vec_dot_cols_q4_0_avx512(int K, const void* w, const void* act, size_t act_stride, int n,
+                              float* out, size_t out_stride);
+void vec_dot_cols_q4_1_avx512(int K, const void* w, const void* act, size_t act_stride, int n,
+                              float* out, size_t out_stride);
+void vec_dot_cols_q8_0_avx512(int K, const void* w, const void* act, size_t act_stride, int n,
+                              float* out, size_t out_stride);
 // K-quant column kernels (kquants_avx2/avx512.cpp; dispatch.cpp links them weak, like every
 // K-quant symbol, and self-checks them against the one-row kernels).
 void vec_dot_cols_q4_K_avx2(int K, const void* w, const void* act, size_t act_stride, int n,

@@ -268,7 +268,7 @@ float vec_dot_q6_K_avx2(int K, const void* w, const void* a) {
 
 void vec_dot_cols_q4_K_avx2(int K, const void* w, const void* act, size_t act_stride, int n,
                             float* out, size_t out_stride) {
-  kq_by_columns(n, act, act_stride, out, out_stride, [&]<int N>(const uint8_t* a, float* o) {
+  by_columns(n, act, act_stride, out, out_stride, [&]<int N>(const uint8_t* a, float* o) {
     dot_q45_K<false, N>(K, static_cast<const uint8_t*>(w), sizeof(BlockQ4_K), kQ4Scales, 0,
                         kQ4Qs, a, act_stride, o, out_stride);
   });
@@ -276,7 +276,7 @@ void vec_dot_cols_q4_K_avx2(int K, const void* w, const void* act, size_t act_st
 
 void vec_dot_cols_q5_K_avx2(int K, const void* w, const void* act, size_t act_stride, int n,
                             float* out, size_t out_stride) {
-  kq_by_columns(n, act, act_stride, out, out_stride, [&]<int N>(const uint8_t* a, float* o) {
+  by_columns(n, act, act_stride, out, out_stride, [&]<int N>(const uint8_t* a, float* o) {
     dot_q45_K<true, N>(K, static_cast<const uint8_t*>(w), sizeof(BlockQ5_K), kQ5Scales, kQ5Qh,
                        kQ5Qs, a, act_stride, o, out_stride);
   });
@@ -284,7 +284,7 @@ void vec_dot_cols_q5_K_avx2(int K, const void* w, const void* act, size_t act_st
 
 void vec_dot_cols_q6_K_avx2(int K, const void* w, const void* act, size_t act_stride, int n,
                             float* out, size_t out_stride) {
-  kq_by_columns(n, act, act_stride, out, out_stride, [&]<int N>(const uint8_t* a, float* o) {
+  by_columns(n, act, act_stride, out, out_stride, [&]<int N>(const uint8_t* a, float* o) {
     dot_q6_K<N>(K, static_cast<const BlockQ6_K*>(w), a, act_stride, o, out_stride);
   });
 }

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "columns.h"
 #include "fp16.h"
 #include "ggml_blocks.h"
 
@@ -37,21 +38,6 @@ inline KqScaleMins kq_unpack_scale_mins(const uint8_t* packed) {
 
 inline uint8_t kq_byte(uint64_t word, int j) { return static_cast<uint8_t>(word >> (8 * j)); }
 
-// n activation rows four at a time, the rest in one call of 1-3: kernel.operator()<N>(act rows,
-// out) is one weight row times N activation rows (each row's result the same for every N).
-template <typename Kernel>
-inline void kq_by_columns(int n, const void* act, size_t act_stride, float* out,
-                          size_t out_stride, Kernel kernel) {
-  const auto* a = static_cast<const uint8_t*>(act);
-  int c = 0;
-  for (; c + 4 <= n; c += 4) kernel.template operator()<4>(a + c * act_stride, out + c * out_stride);
-  switch (n - c) {
-    case 3: kernel.template operator()<3>(a + c * act_stride, out + c * out_stride); break;
-    case 2: kernel.template operator()<2>(a + c * act_stride, out + c * out_stride); break;
-    case 1: kernel.template operator()<1>(a + c * act_stride, out + c * out_stride); break;
-    default: break;
-  }
-}
 
 }  // namespace
 }  // namespace agentd_cpu

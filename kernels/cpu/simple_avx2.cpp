@@ -23,6 +23,7 @@
 #include <cstdint>
 
 #include "ggml_blocks.h"
+#include "columns.h"
 #include "simple_common.h"
 
 namespace agentd_cpu {
@@ -256,18 +257,6 @@ void dot_q8(int K, const BlockQ8_0* wb, const void* act, size_t act_stride, floa
   for (int c = 0; c < NC; ++c) out[c * out_stride] = hsum128(acc[c]);
 }
 
-// n columns in groups of four (the most whose accumulators and unpacked weights fit the 16
-// vector registers), then the rest one by one.
-template <typename Kernel4, typename Kernel1>
-void by_columns(int n, size_t act_stride, const void* act, float* out, size_t out_stride,
-                Kernel4 four, Kernel1 one) {
-  int c = 0;
-  for (; c + 4 <= n; c += 4) {
-    four(static_cast<const uint8_t*>(act) + c * act_stride, out + c * out_stride);
-  }
-  for (; c < n; ++c) one(static_cast<const uint8_t*>(act) + c * act_stride, out + c * out_stride);
-}
-
 template <typename Widen>
 float dot_half(int K, const uint16_t* w, const float* x, Widen widen, float (*one)(uint16_t)) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
@@ -370,29 +359,25 @@ float vec_dot_q8_0_avx2(int K, const void* w, const void* a) {
 void vec_dot_cols_q4_0_avx2(int K, const void* w, const void* act, size_t act_stride, int n,
                             float* out, size_t out_stride) {
   const auto* wb = static_cast<const BlockQ4_0*>(w);
-  by_columns(n, act_stride, act, out, out_stride,
-             [&](const void* a, float* o) {
-               dot_q4<BlockQ4_0, false, 4>(K, wb, a, act_stride, o, out_stride);
-             },
-             [&](const void* a, float* o) { dot_q4<BlockQ4_0, false, 1>(K, wb, a, 0, o, 0); });
+  by_columns(n, act, act_stride, out, out_stride, [&]<int N>(const uint8_t* a, float* o) {
+    dot_q4<BlockQ4_0, false, N>(K, wb, a, act_stride, o, out_stride);
+  });
 }
 
 void vec_dot_cols_q4_1_avx2(int K, const void* w, const void* act, size_t act_stride, int n,
                             float* out, size_t out_stride) {
   const auto* wb = static_cast<const BlockQ4_1*>(w);
-  by_columns(n, act_stride, act, out, out_stride,
-             [&](const void* a, float* o) {
-               dot_q4<BlockQ4_1, true, 4>(K, wb, a, act_stride, o, out_stride);
-             },
-             [&](const void* a, float* o) { dot_q4<BlockQ4_1, true, 1>(K, wb, a, 0, o, 0); });
+  by_columns(n, act, act_stride, out, out_stride, [&]<int N>(const uint8_t* a, float* o) {
+    dot_q4<BlockQ4_1, true, N>(K, wb, a, act_stride, o, out_stride);
+  });
 }
 
 void vec_dot_cols_q8_0_avx2(int K, const void* w, const void* act, size_t act_stride, int n,
                             float* out, size_t out_stride) {
   const auto* wb = static_cast<const BlockQ8_0*>(w);
-  by_columns(n, act_stride, act, out, out_stride,
-             [&](const void* a, float* o) { dot_q8<4>(K, wb, a, act_stride, o, out_stride); },
-             [&](const void* a, float* o) { dot_q8<1>(K, wb, a, 0, o, 0); });
+  by_columns(n, act, act_stride, out, out_stride, [&]<int N>(const uint8_t* a, float* o) {
+    dot_q8<N>(K, wb, a, act_stride, o, out_stride);
+  });
 }
 
 float vec_dot_f16_avx2(int K, const void* w, const void* a) {

@@ -18,6 +18,7 @@
 #include <cstdint>
 
 #include "ggml_blocks.h"
+#include "columns.h"
 #include "simple_common.h"
 
 namespace agentd_cpu {
@@ -101,12 +102,21 @@ inline __m512 widen_bf16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(load256(p)), 16));
 }
 
-// Q4_0 (kOffset: w = d (q - 8)) and Q4_1 (w = d q + m): one loop, the minimum's term differs.
-template <typename Block, bool kQ4_0>
-float dot_q4(int K, const Block* wb, const ActQ8_32* ab) {
-  __m512 acc = _mm512_setzero_ps();
-  __m256 tail = _mm256_setzero_ps();
-  float off = 0.0f;
+// Q4_0 (w = d (q - 8)) and Q4_1 (w = d q + m), which differ only in the minimum's term: one
+// weight row times N activation rows act + j * act_stride into out[j * out_stride], each
+// weight pair unpacked once for all N; every row's operations are the N = 1 kernel's in the
+// same order, so its result equals that bit for bit.
+template <typename Block, bool kQ4_0, int N>
+void dot_q4(int K, const Block* wb, const uint8_t* act, size_t act_stride, float* out,
+            size_t out_stride) {
+  __m512 acc[N];
+  __m256 tail[N];
+  float off[N];
+  const ActQ8_32* ab[N];
+  for (int j = 0; j < N; ++j) {
+    acc[j] = _mm512_setzero_ps(), tail[j] = _mm256_setzero_ps(), off[j] = 0.0f;
+    ab[j] = reinterpret_cast<const ActQ8_32*>(act + j * act_stride);
+  }
   auto min_of = [](const Block& blk) {
     if constexpr (kQ4_0) {
       return -8.0f * fp16(blk.d);
@@ -117,20 +127,66 @@ float dot_q4(int K, const Block* wb, const ActQ8_32* ab) {
   const int nb = K / QK32;
   int b = 0;
   for (; b + 2 <= nb; b += 2) {
-    const __m512i x = join(load256(ab[b].qs), load256(ab[b + 1].qs));
     const __m512i q = nibbles2(wb[b].qs, wb[b + 1].qs);
-    const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, x);
-    const __m512 s = two_scales(fp16(wb[b].d) * ab[b].d, fp16(wb[b + 1].d) * ab[b + 1].d);
-    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), s, acc);
-    off += min_of(wb[b]) * ab[b].s + min_of(wb[b + 1]) * ab[b + 1].s;
+    const float d0 = fp16(wb[b].d), d1 = fp16(wb[b + 1].d);
+    const float m0 = min_of(wb[b]), m1 = min_of(wb[b + 1]);
+    for (int j = 0; j < N; ++j) {
+      const __m512i x = join(load256(ab[j][b].qs), load256(ab[j][b + 1].qs));
+      const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q, x);
+      const __m512 s = two_scales(d0 * ab[j][b].d, d1 * ab[j][b + 1].d);
+      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), s, acc[j]);
+      off[j] += m0 * ab[j][b].s + m1 * ab[j][b + 1].s;
+    }
   }
   if (b < nb) {
-    const __m256i p =
-        _mm256_dpbusd_epi32(_mm256_setzero_si256(), nibbles(wb[b].qs), load256(ab[b].qs));
-    tail = _mm256_mul_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(fp16(wb[b].d) * ab[b].d));
-    off += min_of(wb[b]) * ab[b].s;
+    const __m256i q = nibbles(wb[b].qs);
+    for (int j = 0; j < N; ++j) {
+      const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), q, load256(ab[j][b].qs));
+      tail[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(fp16(wb[b].d) * ab[j][b].d));
+      off[j] += min_of(wb[b]) * ab[j][b].s;
+    }
   }
-  return _mm512_reduce_add_ps(acc) + hsum256(tail) + off;
+  for (int j = 0; j < N; ++j) {
+    out[j * out_stride] = _mm512_reduce_add_ps(acc[j]) + hsum256(tail[j]) + off[j];
+  }
+}
+
+// Q8_0: one weight row times N activation rows, as dot_q4. |w| (as unsigned: |-128| = 128)
+// times x with w's sign.
+template <int N>
+void dot_q8_0(int K, const BlockQ8_0* wb, const uint8_t* act, size_t act_stride, float* out,
+              size_t out_stride) {
+  __m512 acc[N];
+  float tail[N];
+  const ActQ8_32* ab[N];
+  for (int j = 0; j < N; ++j) {
+    acc[j] = _mm512_setzero_ps(), tail[j] = 0.0f;
+    ab[j] = reinterpret_cast<const ActQ8_32*>(act + j * act_stride);
+  }
+  const int nb = K / QK32;
+  int b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    const __m512i q = join(load256(wb[b].qs), load256(wb[b + 1].qs));
+    const __mmask64 negative = _mm512_movepi8_mask(q);
+    const __m512i q_abs = _mm512_abs_epi8(q);
+    const float d0 = fp16(wb[b].d), d1 = fp16(wb[b + 1].d);
+    for (int j = 0; j < N; ++j) {
+      const __m512i x = join(load256(ab[j][b].qs), load256(ab[j][b + 1].qs));
+      const __m512i xs = _mm512_mask_sub_epi8(x, negative, _mm512_setzero_si512(), x);
+      const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q_abs, xs);
+      const __m512 s = two_scales(d0 * ab[j][b].d, d1 * ab[j][b + 1].d);
+      acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), s, acc[j]);
+    }
+  }
+  if (b < nb) {
+    const __m256i q = load256(wb[b].qs);
+    for (int j = 0; j < N; ++j) {
+      const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(q, q),
+                                            _mm256_sign_epi8(load256(ab[j][b].qs), q));
+      tail[j] = hsum256(_mm256_cvtepi32_ps(p)) * (fp16(wb[b].d) * ab[j][b].d);
+    }
+  }
+  for (int j = 0; j < N; ++j) out[j * out_stride] = _mm512_reduce_add_ps(acc[j]) + tail[j];
 }
 
 }  // namespace
@@ -175,38 +231,46 @@ void quantize_act_q8_256_avx512(int K, const float* x, void* out) {
 }
 
 float vec_dot_q4_0_avx512(int K, const void* w, const void* a) {
-  return dot_q4<BlockQ4_0, true>(K, static_cast<const BlockQ4_0*>(w),
-                                 static_cast<const ActQ8_32*>(a));
+  float out;
+  dot_q4<BlockQ4_0, true, 1>(K, static_cast<const BlockQ4_0*>(w),
+                             static_cast<const uint8_t*>(a), 0, &out, 0);
+  return out;
 }
 
 float vec_dot_q4_1_avx512(int K, const void* w, const void* a) {
-  return dot_q4<BlockQ4_1, false>(K, static_cast<const BlockQ4_1*>(w),
-                                  static_cast<const ActQ8_32*>(a));
+  float out;
+  dot_q4<BlockQ4_1, false, 1>(K, static_cast<const BlockQ4_1*>(w),
+                              static_cast<const uint8_t*>(a), 0, &out, 0);
+  return out;
 }
 
 float vec_dot_q8_0_avx512(int K, const void* w, const void* a) {
-  const auto* wb = static_cast<const BlockQ8_0*>(w);
-  const auto* ab = static_cast<const ActQ8_32*>(a);
-  __m512 acc = _mm512_setzero_ps();
-  float tail = 0.0f;
-  const int nb = K / QK32;
-  int b = 0;
-  for (; b + 2 <= nb; b += 2) {
-    const __m512i q = join(load256(wb[b].qs), load256(wb[b + 1].qs));
-    const __m512i x = join(load256(ab[b].qs), load256(ab[b + 1].qs));
-    // |w| (as unsigned: |-128| = 128) times x with w's sign.
-    const __m512i xs = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(q), _mm512_setzero_si512(), x);
-    const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(q), xs);
-    const __m512 s = two_scales(fp16(wb[b].d) * ab[b].d, fp16(wb[b + 1].d) * ab[b + 1].d);
-    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), s, acc);
-  }
-  if (b < nb) {
-    const __m256i q = load256(wb[b].qs);
-    const __m256i p = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(q, q),
-                                          _mm256_sign_epi8(load256(ab[b].qs), q));
-    tail = hsum256(_mm256_cvtepi32_ps(p)) * (fp16(wb[b].d) * ab[b].d);
-  }
-  return _mm512_reduce_add_ps(acc) + tail;
+  float out;
+  dot_q8_0<1>(K, static_cast<const BlockQ8_0*>(w), static_cast<const uint8_t*>(a), 0, &out, 0);
+  return out;
+}
+
+void vec_dot_cols_q4_0_avx512(int K, const void* w, const void* act, size_t act_stride, int n,
+                              float* out, size_t out_stride) {
+  by_columns(n, act, act_stride, out, out_stride, [&]<int N>(const uint8_t* a, float* o) {
+    dot_q4<BlockQ4_0, true, N>(K, static_cast<const BlockQ4_0*>(w), a, act_stride, o,
+                               out_stride);
+  });
+}
+
+void vec_dot_cols_q4_1_avx512(int K, const void* w, const void* act, size_t act_stride, int n,
+                              float* out, size_t out_stride) {
+  by_columns(n, act, act_stride, out, out_stride, [&]<int N>(const uint8_t* a, float* o) {
+    dot_q4<BlockQ4_1, false, N>(K, static_cast<const BlockQ4_1*>(w), a, act_stride, o,
+                                out_stride);
+  });
+}
+
+void vec_dot_cols_q8_0_avx512(int K, const void* w, const void* act, size_t act_stride, int n,
+                              float* out, size_t out_stride) {
+  by_columns(n, act, act_stride, out, out_stride, [&]<int N>(const uint8_t* a, float* o) {
+    dot_q8_0<N>(K, static_cast<const BlockQ8_0*>(w), a, act_stride, o, out_stride);
+  });
 }
 
 float vec_dot_f16_avx512(int K, const void* w, const void* a) {

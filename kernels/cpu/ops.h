@@ -28,7 +28,6 @@ struct KvLayout {
   KvDtype dtype;
   int64_t block_stride, kv_stride, token_stride, head_stride;
   int block_size, num_kv_heads, head_dim;
-  DequantRowFn widen;  // one head's row of the pool's dtype -> fp32 (F16/BF16 dequantizer)
 };
 
 // A decode step's queries: [S, H, D], rows query_stride apart, heads D apart.
@@ -39,11 +38,9 @@ struct DecodeBatch {
   float scale;
 };
 
-// Scratch floats attend_span needs for num_rows rows over n slots: scaled queries, scores and
-// one slot's row widened.
+// Scratch floats attend_span needs for num_rows rows over n slots: scaled queries and scores.
 inline size_t span_scratch_floats(const KvLayout& kv, int num_heads, int num_rows, int n) {
-  const size_t queries = static_cast<size_t>(num_rows) * num_heads;
-  return queries * (kv.head_dim + n) + static_cast<size_t>(kv.num_kv_heads) * kv.head_dim;
+  return static_cast<size_t>(num_rows) * num_heads * (kv.head_dim + n);
 }
 
 struct OpsKernels {

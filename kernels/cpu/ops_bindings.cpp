@@ -40,28 +40,22 @@ void check_float_rows(const at::Tensor& t, const char* what, int64_t dim) {
               "'s last dimension must be contiguous");
 }
 
-KvLayout kv_layout(const at::Tensor& kv, int64_t isa) {
+KvLayout kv_layout(const at::Tensor& kv) {
   TORCH_CHECK(kv.device().is_cpu() && kv.dim() == 5 && kv.size(1) == 2,
               "kv_cache must be a CPU [num_blocks, 2, block_size, num_kv_heads, head_dim] "
               "tensor, got ", kv.sizes());
   TORCH_CHECK(kv.stride(4) == 1, "kv_cache's head_dim must be contiguous");
   agentd_cpu::KvDtype dtype;
-  int type_id = agentd_cpu::F32;
   switch (kv.scalar_type()) {
     case at::kFloat: dtype = agentd_cpu::kKvF32; break;
-    case at::kHalf: dtype = agentd_cpu::kKvF16, type_id = agentd_cpu::F16; break;
-    case at::kBFloat16: dtype = agentd_cpu::kKvBF16, type_id = agentd_cpu::BF16; break;
+    case at::kHalf: dtype = agentd_cpu::kKvF16; break;
+    case at::kBFloat16: dtype = agentd_cpu::kKvBF16; break;
     default: TORCH_CHECK(false, "kv_cache must be float32, float16 or bfloat16, got ",
                          kv.scalar_type());
   }
-  agentd_cpu::TypeKernels k{};
-  if (dtype != agentd_cpu::kKvF32) {
-    TORCH_CHECK(agentd_cpu::type_kernels(type_id, static_cast<int>(isa), &k),
-                "no widening kernel for the pool's dtype");
-  }
   return {kv.data_ptr(), dtype, kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
           static_cast<int>(kv.size(2)), static_cast<int>(kv.size(3)),
-          static_cast<int>(kv.size(4)), k.dequant};
+          static_cast<int>(kv.size(4))};
 }
 
 // Decode rows grouped as the torch path groups them: by first block, each group sharing the
@@ -137,7 +131,7 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                             double scale, int64_t isa) {
   check_float_rows(query, "query", 3);
   TORCH_CHECK(query.stride(1) == query.size(2), "query's heads must be contiguous");
-  const KvLayout kv = kv_layout(kv_cache, isa);
+  const KvLayout kv = kv_layout(kv_cache);
   const int64_t S = query.size(0), H = query.size(1);
   TORCH_CHECK(query.size(2) == kv.head_dim && H % kv.num_kv_heads == 0,
               "query [S, H, D] must have the pool's head_dim and a multiple of its KV heads");
@@ -269,7 +263,7 @@ void check_heads(const at::Tensor& t, const char* what, int64_t T, int64_t D) {
 void rope_write_kv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                    const at::Tensor& cos, const at::Tensor& sin, bool interleaved,
                    const at::Tensor& kv_cache, const at::Tensor& slot_mapping, int64_t isa) {
-  const KvLayout kv = kv_layout(kv_cache, isa);
+  const KvLayout kv = kv_layout(kv_cache);
   const int64_t T = q.size(0), D = kv.head_dim;
   check_heads(q, "q", T, D);
   check_heads(k, "k", T, D);

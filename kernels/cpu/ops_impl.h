@@ -27,24 +27,93 @@
 namespace agentd_cpu {
 namespace {
 
-inline float dot(const float* a, const float* b, int n) {
-  int i = 0;
-  float s = 0.0f;
+// Pool elements: fp32 as they are, fp16 and bf16 widened in registers.
+template <KvDtype kT>
+inline float widen1(const void* p, int i) {
+  if constexpr (kT == kKvF32) {
+    return static_cast<const float*>(p)[i];
+  } else if constexpr (kT == kKvF16) {
+    return fp16_to_fp32(static_cast<const uint16_t*>(p)[i]);
+  } else {
+    return bf16_to_fp32(static_cast<const uint16_t*>(p)[i]);
+  }
+}
+
 #if defined(AGENTD_OPS_AVX512)
-  __m512 acc = _mm512_setzero_ps();
-  for (; i + 16 <= n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-  s = _mm512_reduce_add_ps(acc);
+constexpr int kWidth = 16;
+using Vec = __m512;
+template <KvDtype kT>
+inline Vec widen_vec(const void* p, int i) {
+  if constexpr (kT == kKvF32) {
+    return _mm512_loadu_ps(static_cast<const float*>(p) + i);
+  } else {
+    const __m256i h = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + i));
+    if constexpr (kT == kKvF16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+  }
+}
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec vset1(float a) { return _mm512_set1_ps(a); }
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
 #elif defined(AGENTD_OPS_AVX2)
-  __m256 acc = _mm256_setzero_ps();
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+constexpr int kWidth = 8;
+using Vec = __m256;
+template <KvDtype kT>
+inline Vec widen_vec(const void* p, int i) {
+  if constexpr (kT == kKvF32) {
+    return _mm256_loadu_ps(static_cast<const float*>(p) + i);
+  } else {
+    const __m128i h = _mm_loadu_si128(
+        reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i));
+    if constexpr (kT == kKvF16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+}
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec vset1(float a) { return _mm256_set1_ps(a); }
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline float vsum(Vec v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   h = _mm_add_ps(h, _mm_movehl_ps(h, h));
   h = _mm_add_ss(h, _mm_movehdup_ps(h));
-  s = _mm_cvtss_f32(h);
+  return _mm_cvtss_f32(h);
+}
+#else
+constexpr int kWidth = 0;  // the scalar build: element loops only
 #endif
-  for (; i < n; ++i) s += a[i] * b[i];
+
+// q (fp32) . k (n pool elements).
+template <KvDtype kT>
+inline float dot_kv(const float* q, const void* k, int n) {
+  int i = 0;
+  float s = 0.0f;
+#if defined(AGENTD_OPS_AVX512) || defined(AGENTD_OPS_AVX2)
+  Vec acc = vzero();
+  for (; i + kWidth <= n; i += kWidth) acc = vfma(vload(q + i), widen_vec<kT>(k, i), acc);
+  s = vsum(acc);
+#endif
+  for (; i < n; ++i) s += q[i] * widen1<kT>(k, i);
   return s;
 }
+
+// y += a * v (n pool elements).
+template <KvDtype kT>
+inline void axpy_kv(float* y, float a, const void* v, int n) {
+  int i = 0;
+#if defined(AGENTD_OPS_AVX512) || defined(AGENTD_OPS_AVX2)
+  const Vec va = vset1(a);
+  for (; i + kWidth <= n; i += kWidth) vstore(y + i, vfma(va, widen_vec<kT>(v, i), vload(y + i)));
+#endif
+  for (; i < n; ++i) y[i] += a * widen1<kT>(v, i);
+}
+
+inline float dot(const float* a, const float* b, int n) { return dot_kv<kKvF32>(a, b, n); }
 
 // e^x to ~2 ulp for x <= 88 (Cephes' expf polynomial after reducing by ln 2), branch-free so
 // loops over it vectorize (no libm call, no floorf: GCC vectorizes neither under a target
@@ -145,44 +214,39 @@ inline void axpy(float* y, float a, const float* x, int n) {
 // query (r, h) its top score, the sum of exp(score - top) and the sum of exp(score - top) * v,
 // into partial + (r * H + h) * (D + 2) as [top, sum, acc...]. Each slot's keys (then values)
 // of all KV heads are one contiguous row of the pool, read in pool order with the next rows
-// prefetched: walking one head's rows alone touches a new page every token, which ran at a
-// fifth of the read bandwidth.
-void attend_span(const KvLayout& kv, const DecodeBatch& batch, const int32_t* rows,
-                 int num_rows, const int32_t* table, int p0, int p1, float* partial,
-                 float* scratch) {
+// prefetched (walking one head's rows alone touches a new page every token, which ran at a
+// fifth of the read bandwidth), widened to fp32 in registers.
+template <KvDtype kT>
+void attend_span_as(const KvLayout& kv, const DecodeBatch& batch, const int32_t* rows,
+                    int num_rows, const int32_t* table, int p0, int p1, float* partial,
+                    float* scratch) {
   const int D = kv.head_dim, B = kv.block_size, H = batch.num_heads;
   const int G = H / kv.num_kv_heads, Q = num_rows * H, n = p1 - p0;
-  const int row_floats = kv.num_kv_heads * D;
-  const int elem = kv.dtype == kKvF32 ? 4 : 2;
-  float* q = scratch;              // [Q, D], scaled
-  float* scores = q + Q * D;       // [Q, n]
-  float* widened = scores + static_cast<int64_t>(Q) * n;  // one slot's row
+  constexpr int64_t kElem = kT == kKvF32 ? 4 : 2;
+  const int64_t row_bytes = int64_t{kv.num_kv_heads} * D * kElem;
+  float* q = scratch;         // [Q, D], scaled
+  float* scores = q + Q * D;  // [Q, n]
   for (int r = 0; r < num_rows; ++r) {
     const float* src = batch.query + rows[r] * batch.query_stride;
     for (int i = 0; i < H * D; ++i) q[r * H * D + i] = src[i] * batch.scale;
   }
-  auto slot_row = [&](int pos, int which) -> const float* {
+  auto slot_row = [&](int pos, int which) -> const char* {
     const int64_t index = table[pos / B] * kv.block_stride + which * kv.kv_stride +
                           (pos % B) * kv.token_stride;
-    if (kv.dtype == kKvF32) return static_cast<const float*>(kv.data) + index;
-    kv.widen(row_floats, static_cast<const uint16_t*>(kv.data) + index, widened);
-    return widened;
-  };
-  auto prefetch = [&](int pos, int which) {
-    if (pos >= p1) return;
-    const int64_t index = table[pos / B] * kv.block_stride + which * kv.kv_stride +
-                          (pos % B) * kv.token_stride;
-    const char* p = static_cast<const char*>(kv.data) + index * elem;
-    for (int64_t off = 0; off < static_cast<int64_t>(row_floats) * elem; off += 64) {
-      _mm_prefetch(p + off, _MM_HINT_T0);
-    }
+    return static_cast<const char*>(kv.data) + index * kElem;
   };
   constexpr int kAhead = 2;  // slots prefetched ahead
+  auto prefetch = [&](int pos, int which) {
+    if (pos >= p1) return;
+    const char* p = slot_row(pos, which);
+    for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+  };
   for (int pos = p0; pos < p1; ++pos) {
     prefetch(pos + kAhead, 0);
-    const float* k = slot_row(pos, 0);
+    const char* k = slot_row(pos, 0);
     for (int i = 0; i < Q; ++i) {
-      scores[static_cast<int64_t>(i) * n + pos - p0] = dot(q + i * D, k + (i % H) / G * D, D);
+      scores[static_cast<int64_t>(i) * n + pos - p0] =
+          dot_kv<kT>(q + i * D, k + (i % H) / G * D * kElem, D);
     }
   }
   for (int i = 0; i < Q; ++i) {  // probabilities, unnormalized
@@ -195,11 +259,27 @@ void attend_span(const KvLayout& kv, const DecodeBatch& batch, const int32_t* ro
   }
   for (int pos = p0; pos < p1; ++pos) {
     prefetch(pos + kAhead, 1);
-    const float* v = slot_row(pos, 1);
+    const char* v = slot_row(pos, 1);
     for (int i = 0; i < Q; ++i) {
-      axpy(partial + static_cast<int64_t>(i) * (D + 2) + 2,
-           scores[static_cast<int64_t>(i) * n + pos - p0], v + (i % H) / G * D, D);
+      axpy_kv<kT>(partial + static_cast<int64_t>(i) * (D + 2) + 2,
+                  scores[static_cast<int64_t>(i) * n + pos - p0], v + (i % H) / G * D * kElem,
+                  D);
     }
+  }
+}
+
+void attend_span(const KvLayout& kv, const DecodeBatch& batch, const int32_t* rows,
+                 int num_rows, const int32_t* table, int p0, int p1, float* partial,
+                 float* scratch) {
+  switch (kv.dtype) {
+    case kKvF16:
+      attend_span_as<kKvF16>(kv, batch, rows, num_rows, table, p0, p1, partial, scratch);
+      break;
+    case kKvBF16:
+      attend_span_as<kKvBF16>(kv, batch, rows, num_rows, table, p0, p1, partial, scratch);
+      break;
+    default:
+      attend_span_as<kKvF32>(kv, batch, rows, num_rows, table, p0, p1, partial, scratch);
   }
 }
 

@@ -408,3 +408,48 @@ def _forced_logits(llm: LLM, prompts: list[list[int]], outputs: list[list[int]]
                 recorder.hidden[0][len(prompt) - 1:]))
         recorder.remove()
     return torch.cat(logits)
+
+
+@pytest.mark.slow
+def test_default_model_gguf_prefill_is_as_close_to_exact_as_decode(
+        default_model_dir: Path) -> None:
+    """A long prompt's prefill (prefill-sized products: bfloat16 GEMMs where the CPU has them,
+    else the int8 kernels or fp32 tiles) against the exact fp32 conversion, at every position:
+    within the bar the decode path meets (2x the error of int8-rounded activations), and the
+    same top token wherever the exact top two differ by more than that error."""
+    from importlib import resources
+
+    args = dict(device="cpu", kv_cache_memory_bytes=POOL_BYTES, kv_cache_dtype="float32",
+                speculative="off", enable_prefix_caching=False)
+    served = LLM(None, weights="gguf", **args)
+    workload = resources.files("agentd.workloads").joinpath("coding_agent.json").read_text()
+    prompt = served.tokenizer(workload[:1500]).input_ids
+    assert len(prompt) >= 2 * 64  # prefill-sized: past the int8 kernels' decode batches
+    recorder = HiddenRecorder(served.engine.runner.model)
+    served.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1))
+    recorder.remove()
+    with torch.no_grad():
+        gguf_logits = served.engine.runner.model.compute_logits(recorder.hidden[0])
+    exact = LLM(None, weights="float32", cpu_linear="torch", **args)
+    recorder = HiddenRecorder(exact.engine.runner.model)
+    exact.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1))
+    recorder.remove()
+    with torch.no_grad():
+        exact_logits = exact.engine.runner.model.compute_logits(recorder.hidden[0])
+        hooks = [m.register_forward_pre_hook(lambda m, args: (round_activations(args[0]),))
+                 for m in exact.engine.runner.model.modules() if isinstance(m, nn.Linear)]
+        recorder = HiddenRecorder(exact.engine.runner.model)
+        exact.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1))
+        recorder.remove()
+        for hook in hooks:
+            hook.remove()
+        rounded_logits = exact.engine.runner.model.compute_logits(recorder.hidden[0])
+    error = (gguf_logits - exact_logits).abs().amax(-1)
+    rounding_error = (rounded_logits - exact_logits).abs().amax(-1)
+    print(f"default model, {len(prompt)}-token prefill: max |gguf - exact| "
+          f"{error.max().item():.4f}, max |int8-rounded - exact| {rounding_error.max().item():.4f}")
+    assert error.max() <= 2 * rounding_error.max()
+    top2 = exact_logits.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * error.max()
+    assert clear.sum() >= len(prompt) // 4
+    assert torch.equal(gguf_logits.argmax(-1)[clear], exact_logits.argmax(-1)[clear])

@@ -207,7 +207,7 @@ float vec_dot_q6_K_avx512(int K, const void* w, const void* a) {
 
 void vec_dot_cols_q4_K_avx512(int K, const void* w, const void* act, size_t act_stride, int n,
                               float* out, size_t out_stride) {
-  by_columns(n, act, act_stride, out, out_stride, [&]<int N>(const uint8_t* a, float* o) {
+  by_columns<8>(n, act, act_stride, out, out_stride, [&]<int N>(const uint8_t* a, float* o) {
     dot_q45_K<false, N>(K, static_cast<const uint8_t*>(w), sizeof(BlockQ4_K), kQ4Scales, 0,
                         kQ4Qs, a, act_stride, o, out_stride);
   });
@@ -215,7 +215,7 @@ void vec_dot_cols_q4_K_avx512(int K, const void* w, const void* act, size_t act_
 
 void vec_dot_cols_q5_K_avx512(int K, const void* w, const void* act, size_t act_stride, int n,
                               float* out, size_t out_stride) {
-  by_columns(n, act, act_stride, out, out_stride, [&]<int N>(const uint8_t* a, float* o) {
+  by_columns<8>(n, act, act_stride, out, out_stride, [&]<int N>(const uint8_t* a, float* o) {
     dot_q45_K<true, N>(K, static_cast<const uint8_t*>(w), sizeof(BlockQ5_K), kQ5Scales, kQ5Qh,
                        kQ5Qs, a, act_stride, o, out_stride);
   });
@@ -223,7 +223,7 @@ void vec_dot_cols_q5_K_avx512(int K, const void* w, const void* act, size_t act_
 
 void vec_dot_cols_q6_K_avx512(int K, const void* w, const void* act, size_t act_stride, int n,
                               float* out, size_t out_stride) {
-  by_columns(n, act, act_stride, out, out_stride, [&]<int N>(const uint8_t* a, float* o) {
+  by_columns<8>(n, act, act_stride, out, out_stride, [&]<int N>(const uint8_t* a, float* o) {
     dot_q6_K<N>(K, static_cast<const BlockQ6_K*>(w), a, act_stride, o, out_stride);
   });
 }

@@ -23,8 +23,10 @@
 #   (later ones win), with whatever that start does with a .gguf today.
 # Env: LLAMA_SERVER (a llama-server binary; unset: skipped), SERVERS (default "agentd llama"),
 # THREADS (nproc), REQUESTS (8 per phase; 2 with QUICK), CONCURRENCY (1,8), PROMPT_TOKENS (2000), MAX_TOKENS
-# (32), QUICK=1 (bench --quick), TOKENIZER (sizes the prompts; default agentd's default model's,
-# which is the synth files' own), PYTHON. A server that does not come up is reported and skipped.
+# (32), COLD_REQUESTS (3), NO_EMPTY=1 (skip the last phase, 8 cold prefills at once: ~15 min
+# of an 8B model's prefill on 2 cores), QUICK=1 (bench --quick), TOKENIZER (sizes the prompts;
+# default agentd's default model's, which is the synth files' own), PYTHON. A server that does
+# not come up is reported and skipped.
 # Long on a small CPU: every cold request prefills the whole prompt. Not run in CI.
 set -euo pipefail
 gguf=$(realpath "$1"); out=$2; isa=${3:-native}; shift $(( $# >= 3 ? 3 : $# ))
@@ -35,7 +37,9 @@ threads=${THREADS:-$(nproc)}
 np=8; llama_ctx=$(( np * ${LLAMA_CTX_PER_SLOT:-2560} ))
 agentd=("$py" -m agentd.cli)
 bench=("${agentd[@]}" bench --no-pin --no-pressure --conversations 0 --tools-in-system
-       --concurrency "${CONCURRENCY:-1,8}" --prompt-tokens "${PROMPT_TOKENS:-2000}" --max-tokens "${MAX_TOKENS:-32}")
+       --concurrency "${CONCURRENCY:-1,8}" --prompt-tokens "${PROMPT_TOKENS:-2000}" --max-tokens "${MAX_TOKENS:-32}"
+       --cold-requests "${COLD_REQUESTS:-3}")
+if [ -n "${NO_EMPTY:-}" ]; then bench+=(--no-empty-cache); fi
 if [ -n "${QUICK:-}" ]; then bench+=(--quick); else bench+=(--requests "${REQUESTS:-8}"); fi
 if [ -n "${TOKENIZER:-}" ]; then bench+=(--tokenizer "$TOKENIZER"); fi
 tmp=$(mktemp -d)

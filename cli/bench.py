@@ -63,6 +63,12 @@ def _concurrency(ctx: click.Context, param: click.Parameter, value: str) -> tupl
 @click.option("--pressure-tokens", type=click.IntRange(1), default=None,
               help="KV pool size to overflow, in tokens [default: from agentd's /v1/stats; "
               "needed for the pressure phase on other servers].")
+@click.option("--cold-requests", type=click.IntRange(1), default=None,
+              help="Cold requests (each prefills its whole prompt) [default: 3; 2 with "
+              "--quick].")
+@click.option("--empty-cache/--no-empty-cache", default=True, show_default=True,
+              help="End with a throughput phase on prompts no cache holds (C cold prefills "
+              "at once).")
 @click.option("--conversations", type=click.IntRange(0), default=None,
               help="Multi-turn conversations to replay per workload [default: all].")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path),
@@ -141,9 +147,12 @@ def _bench_options(opts: dict[str, Any]) -> Any:
         counts["requests"] = opts["requests"]
     if opts["conversations"] is not None:
         counts["conversations"] = opts["conversations"]
+    if opts["cold_requests"] is not None:
+        counts["cold_requests"] = opts["cold_requests"]
     settings = BenchSettings(concurrency=opts["concurrency"], max_tokens=opts["max_tokens"],
                              pin=not opts["no_pin"], pressure=opts["pressure"],
-                             pressure_tokens=opts["pressure_tokens"], **counts)
+                             pressure_tokens=opts["pressure_tokens"],
+                             empty_cache=opts["empty_cache"], **counts)
     return BenchOptions(
         url=opts["url"], api_key=opts["api_key"], model=opts["model"],
         workload_paths=tuple(paths),

@@ -59,6 +59,7 @@ class BenchSettings:
     pressure_tokens: int | None = None  # pool size to overflow; None: agentd's /v1/stats
     pressure_misses: int = 4  # once-warm namespaces measured after the pressure
     conversations: int = 5
+    empty_cache: bool = True  # a last throughput phase on prompts no cache holds
 
     def __post_init__(self) -> None:
         if self.requests < 1 or self.cold_requests < 1 or self.max_tokens < 1:
@@ -238,6 +239,9 @@ class WorkloadRunner:
         for c in settings.concurrency:
             specs = [self.spec(steady) for _ in range(max(c, settings.requests))]
             await self.concurrent(f"c{c}", specs, c)
+        if not settings.empty_cache:
+            self.result.notes.append("empty-cache throughput phase skipped (--no-empty-cache)")
+            return
         c = settings.empty_cache_concurrency
         empty = self.fresh("empty")
         specs = [self.spec(empty) for _ in range(max(c, settings.requests))]

@@ -158,7 +158,11 @@ def test_bench_speaks_the_responses_and_messages_wires(runner: CliRunner, tiny_d
     for api in ("chat", "responses", "messages"):
         out = tmp_path / f"{api}.json"
         runs[api] = run_bench(runner, "--url", url, "--api", api, "--concurrency", "1",
-                              "--no-pressure", "--json", str(out))["workloads"][0]
+                              "--no-pressure", "--no-empty-cache", "--cold-requests", "2",
+                              "--json", str(out))["workloads"][0]
+        assert set(runs[api]["figures"]["throughput"]) == {"1"}, api
+        assert any("--no-empty-cache" in note for note in runs[api]["notes"]), api
+        assert len(runs[api]["phases"]["cold"]["requests"]) == 2, api
     for api in ("responses", "messages"):
         phases, chat = runs[api]["phases"], runs["chat"]["phases"]
         for phase in ("cold", "warm", "pinned", "multiturn"):

@@ -75,9 +75,9 @@ def prefill_on_tiles(type_name: str, num_rows: int) -> bool:
     return bf16_tiles() or type_name not in K_QUANTS
 
 
-def tile_rows(K: int) -> int:
+def tile_rows(K: int, elem_bytes: int = 4) -> int:
     """Rows per tile of the prefill path: a multiple of 64 in [64, 1024] within TILE_BYTES."""
-    return max(64, min(1024, TILE_BYTES // (4 * K)) // 64 * 64)
+    return max(64, min(1024, TILE_BYTES // (elem_bytes * K)) // 64 * 64)
 
 
 @dataclass(frozen=True)
@@ -209,11 +209,16 @@ def _check(x: torch.Tensor, weight: torch.Tensor, type_name: str) -> None:
 
 def _dequantize_into(weight: torch.Tensor, type_name: str, K: int, isa: str,
                      out: torch.Tensor) -> None:
+    """dequant(weight) into ``out``: float32, or bfloat16 (rounded to nearest even)."""
     native = _native()
     if isa != "torch" and type_name in native.types | {"F32"}:
         native.module.dequantize(weight, GGML_TYPES[type_name].type_id, K, ISAS.index(isa), out)
-    else:
+    elif out.dtype == torch.float32:
         _fallback.dequantize_into(weight, type_name, K, out)
+    else:
+        wide = torch.empty(out.shape, dtype=torch.float32)
+        _fallback.dequantize_into(weight, type_name, K, wide)
+        out.copy_(wide)
 
 
 def _gemm(x: torch.Tensor, tile: torch.Tensor) -> torch.Tensor:
@@ -234,24 +239,22 @@ def _gemm_into(x: torch.Tensor, tile: torch.Tensor, out: torch.Tensor) -> None:
 
 def _tiled(x: torch.Tensor, weight: torch.Tensor, type_name: str, isa: str,
            out: torch.Tensor) -> None:
-    """out = x @ dequant(weight).T, one tile of dequantized rows at a time (the GEMM in
-    bfloat16 for TILE_MIN_BATCH rows or more where :func:`bf16_tiles`: inputs and output
-    rounded to bfloat16)."""
+    """out = x @ dequant(weight).T, one tile of dequantized rows at a time: bfloat16 tiles and
+    GEMM for TILE_MIN_BATCH rows or more where :func:`bf16_tiles` (inputs and output rounded to
+    bfloat16; the torch path's decode keeps fp32 products), fp32 otherwise."""
     rows, K = weight.shape[0], x.shape[1]
-    step = tile_rows(K)
-    buf = torch.empty(min(step, rows), K)
-    # bfloat16 for prefill-sized batches only: the torch path's decode keeps fp32 products.
-    low = (torch.empty(buf.shape, dtype=torch.bfloat16)
-           if bf16_tiles() and x.shape[0] >= TILE_MIN_BATCH else None)
-    x_low = x.to(torch.bfloat16) if low is not None else None
+    low = bf16_tiles() and x.shape[0] >= TILE_MIN_BATCH
+    step = tile_rows(K, 2 if low else 4)
+    buf = torch.empty(min(step, rows), K, dtype=torch.bfloat16 if low else torch.float32)
+    x_gemm = x.to(torch.bfloat16) if low else x
     for r0 in range(0, rows, step):
         r1 = min(r0 + step, rows)
         tile = buf[: r1 - r0]
         _dequantize_into(weight[r0:r1], type_name, K, isa, tile)
-        if low is None:
-            _gemm_into(x, tile, out[:, r0:r1])
+        if low:
+            out[:, r0:r1] = _gemm(x_gemm, tile)
         else:
-            out[:, r0:r1] = _gemm(x_low, low[: r1 - r0].copy_(tile))
+            _gemm_into(x, tile, out[:, r0:r1])
 
 
 def _into(x: torch.Tensor, weight: torch.Tensor, type_name: str, isa: str,

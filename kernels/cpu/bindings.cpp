@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "dispatch.h"
+#include "ops.h"
 
 namespace {
 
@@ -152,20 +153,33 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, int64_t type_id, int
   return linear_multi(x, {w}, {type_id}, isa, std::move(out));
 }
 
+// out = dequant(w), as float32 or (rounded to nearest even) bfloat16: a prefill tile for a
+// bfloat16 GEMM is written once, each row widened in a small float buffer first.
 void dequantize(const at::Tensor& w, int64_t type_id, int64_t K, int64_t isa,
                 const at::Tensor& out) {
   const TypeKernels k = kernels_of(type_id, isa);
   check_weight(w, k, K);
-  check_rows(out, at::kFloat, "out");
+  const bool bf16 = out.scalar_type() == at::kBFloat16;
+  check_rows(out, bf16 ? at::kBFloat16 : at::kFloat, "out");
   TORCH_CHECK(out.size(0) == w.size(0) && out.size(1) == K, "out must be [", w.size(0), ", ", K,
               "], got ", out.sizes());
   const uint8_t* src = w.data_ptr<uint8_t>();
-  float* dst = out.data_ptr<float>();
   const int64_t w_stride = w.stride(0), out_stride = out.stride(0);
+  const agentd_cpu::OpsKernels& ops = agentd_cpu::ops_kernels(static_cast<int>(isa));
   py::gil_scoped_release no_gil;
   at::parallel_for(0, w.size(0), grain_rows(w.size(1), 1), [&](int64_t r0, int64_t r1) {
-    agentd_cpu::dequant_rows(k, static_cast<int>(K), src, w_stride, r0, r1,
-                             dst + r0 * out_stride, out_stride);
+    if (!bf16) {
+      agentd_cpu::dequant_rows(k, static_cast<int>(K), src, w_stride, r0, r1,
+                               out.data_ptr<float>() + r0 * out_stride, out_stride);
+      return;
+    }
+    std::vector<float> row(K);
+    auto* dst = static_cast<uint8_t*>(out.data_ptr());
+    for (int64_t r = r0; r < r1; ++r) {
+      agentd_cpu::dequant_rows(k, static_cast<int>(K), src, w_stride, r, r + 1, row.data(), K);
+      ops.store_row(row.data(), dst + 2 * r * out_stride, agentd_cpu::kKvBF16,
+                    static_cast<int>(K));
+    }
   });
 }
 

@@ -135,3 +135,16 @@ def test_linear_writes_into_out(isa: str) -> None:
     out = torch.full((3, 9), float("nan"))
     assert cpu.linear(x, raw, "Q4_1", out=out) is out
     torch.testing.assert_close(out, cpu.linear(x, raw, "Q4_1"), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "F16", "BF16"])
+def test_bfloat16_tiles_are_the_fp32_values_rounded(type_name: str, isa: str) -> None:
+    """Prefill tiles for bfloat16 GEMMs: each value is the exact dequantized one rounded to
+    nearest even, as ``Tensor.to(torch.bfloat16)`` rounds it."""
+    rng = np.random.default_rng(3)
+    K = 512
+    raw = torch.from_numpy(reference.random_blocks(rng, type_name, 9, K))
+    tile = torch.empty(9, K, dtype=torch.bfloat16)
+    cpu._dequantize_into(raw, type_name, K, isa, tile)
+    exact = cpu.dequantize(raw, type_name, K)
+    assert torch.equal(tile.view(torch.int16), exact.to(torch.bfloat16).view(torch.int16))

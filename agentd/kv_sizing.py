@@ -78,14 +78,19 @@ def proc_status_bytes(field: str) -> int | None:
 
 def tensor_bytes(module: torch.nn.Module) -> int:
     """Bytes of the storages behind a module's parameters and buffers, each storage once (a
-    memory-mapped file that many weights view is counted once, whole)."""
+    memory-mapped file that many weights view is counted once, whole); a oneDNN-packed weight
+    counts its elements."""
     seen: dict[int, int] = {}
+    opaque = 0
     for tensor in [*module.parameters(), *module.buffers()]:
         if tensor.device.type == "meta":
             continue
+        if tensor.is_mkldnn:  # a weight packed for oneDNN (bf16 CPUs) has no storage to share
+            opaque += tensor.numel() * tensor.element_size()
+            continue
         storage = tensor.untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
-    return sum(seen.values())
+    return sum(seen.values()) + opaque
 
 
 def format_bytes(num_bytes: int) -> str:

@@ -12,13 +12,12 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from agentd.cache import BlockHash, KVCacheManager, PinKey
 from agentd.config import EngineConfig
-from agentd.detokenizer import IncrementalDetokenizer
 from agentd.kernels import get_attention_backend
 from agentd.kv_sizing import (
     KVPlan,
@@ -34,23 +33,22 @@ from agentd.kv_sizing import (
 )
 from agentd.model.build import LoadedModel, load_model
 from agentd.model.llama import ModelDims
+from agentd.output_processor import OutputProcessor
 from agentd.outputs import StreamDelta
 from agentd.pins import PendingPin, PinManager, PinResult
-from agentd.request import Request, RequestStatus
+from agentd.request import Request, RequestStatus, check_prompt
 from agentd.retention import HoldRequest, Retained, RetentionManager
 from agentd.runner import ModelRunner
 from agentd.sampler import Sampler
 from agentd.sampling_params import SamplingParams
-from agentd.scheduler import Scheduler
+from agentd.scheduler import ScheduledRequest, Scheduler
 from agentd.spec_decode import make_speculator
 from agentd.structured.compiler import GrammarCompiler
-from agentd.structured.jump_forward import plan_jump
 from agentd.structured.matchers import StructuredOutputs
 from agentd.tails import TailKeeper
 
 logger = logging.getLogger("agentd")
-GRAMMAR_DEAD_END = ("the output constraint allows no further token (a grammar dead end); the "
-                    "output so far is kept")
+DOES_NOT_FIT = "the request does not fit in the KV cache pool"
 
 
 @dataclass
@@ -93,6 +91,30 @@ def _model_len(dims: ModelDims) -> int:
     return dims.max_position_embeddings
 
 
+class _Sampled(NamedTuple):
+    token_ids: dict[str, list[int]]  # per sampling request: accepted drafts, then its token
+    dead_ends: set[str]  # constrained requests whose grammar allowed no token
+
+
+def _plan_pool(config: EngineConfig, loaded: LoadedModel, kv_dtype: torch.dtype,
+               memory_probe: MemoryProbe, unresident: int) -> KVPlan:
+    """The KV pool's size: from ``--kv-cache-memory``, else from the free memory."""
+    free_bytes = memory_probe(loaded.device) if config.kv_cache_memory_bytes is None else None
+    model = loaded.model
+    return plan_kv_cache(KVRequest(
+        dtype_name(kv_dtype), config.block_size,
+        ModelRunner.kv_bytes_per_block(model, config.block_size, kv_dtype),
+        _model_len(model.dims), config.max_num_seqs, config.max_model_len,
+        config.kv_cache_memory_bytes), free_bytes, unresident)
+
+
+def _log_plan(plan: KVPlan, backend_name: str) -> None:
+    if plan.cap_reason is not None:
+        logger.warning("max_model_len %d, below the model's %d: %s", plan.max_model_len,
+                       plan.model_len, plan.cap_reason)
+    logger.info("%s; attention backend %s", plan.describe(), backend_name)
+
+
 def _load_timed(config: EngineConfig) -> tuple[LoadedModel, float, int]:
     """Load the model; also how long it took and, on the CPU, how many of its weights' bytes
     are not in anonymous memory (memory-mapped, or never touched): ``MemAvailable`` counts those
@@ -108,14 +130,6 @@ def _load_timed(config: EngineConfig) -> tuple[LoadedModel, float, int]:
     return loaded, load_s, max(tensor_bytes(loaded.model) - grown, 0)
 
 
-@dataclass
-class _Tracked:
-    request: Request
-    detokenizer: IncrementalDetokenizer
-    num_emitted_tokens: int = 0
-    num_retained_tokens: int = 0
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
                  memory_probe: MemoryProbe = free_memory_bytes) -> None:
@@ -127,55 +141,44 @@ class LLMEngine:
         if loaded is None:
             loaded, self.load_s, unresident = _load_timed(config)
         self.loaded = loaded
-        self.tokenizer = self.loaded.tokenizer
-        self.model_name = self.loaded.files.name
-        model = self.loaded.model
-        block_size = config.block_size
+        self.tokenizer = loaded.tokenizer
+        self.model_name = loaded.files.name
+        self.vocab_size = loaded.model.dims.vocab_size
         kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, loaded.dtype, loaded.weights,
                                     loaded.device)
         # The pool's content is keyed by what produced it, its dtype included.
         self.fingerprint = kv_fingerprint(loaded.fingerprint, loaded.dtype, kv_dtype)
-        free_bytes = memory_probe(loaded.device) if config.kv_cache_memory_bytes is None \
-            else None
-        self.kv_plan = plan_kv_cache(KVRequest(
-            dtype_name(kv_dtype), block_size,
-            ModelRunner.kv_bytes_per_block(model, block_size, kv_dtype),
-            _model_len(model.dims), config.max_num_seqs, config.max_model_len,
-            config.kv_cache_memory_bytes), free_bytes, unresident)
+        self.kv_plan = _plan_pool(config, loaded, kv_dtype, memory_probe, unresident)
         self.num_blocks = self.kv_plan.num_blocks
         self.max_model_len = self.kv_plan.max_model_len
-        backend = get_attention_backend(config.attention_backend, self.loaded.device,
-                                        native_cpu=model.native_ops)
-        self.kv_cache = KVCacheManager(self.num_blocks, block_size, config.enable_prefix_caching,
-                                       extra_key=self.fingerprint.encode())
-        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs,
-                                   config.max_num_batched_tokens, self.max_model_len,
-                                   self.loaded.eos_token_ids)
-        self.runner = ModelRunner(model, self.num_blocks, block_size, self.loaded.device,
-                                  kv_dtype, backend)
-        self.kv_cache.move_block = self.runner.move_block  # tables grow into consecutive blocks
-        self.sampler = Sampler(self.loaded.device)
-        self.speculator = make_speculator(config.speculative)
-        vocab_size = model.dims.vocab_size
-        self.grammars = GrammarCompiler(self.tokenizer, vocab_size, self.loaded.eos_token_ids)
-        self.structured = StructuredOutputs(vocab_size, self.grammars.decoded_vocab,
-                                            self.loaded.eos_token_ids)
+        backend = get_attention_backend(config.attention_backend, loaded.device,
+                                        native_cpu=loaded.model.native_ops)
+        self.kv_cache = KVCacheManager(self.num_blocks, config.block_size,
+                                       config.enable_prefix_caching,
+                                       extra_key=self.fingerprint.encode(),
+                                       move_cached_blocks=True)  # runs of consecutive blocks
         self.pins = PinManager(self.kv_cache, self.tokenizer,
                                int(config.max_pinned_fraction * self.num_blocks))
         # conversations continued by token ids (stored responses) keep their last partial block
         self.tails = TailKeeper(self.kv_cache, max(1, self.num_blocks // 8))
-        self.scheduler.prefix_extension = self._prefix_extension
         self.retention = RetentionManager(self.kv_cache, self.pins.registry, self.tokenizer)
+        self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs,
+                                   config.max_num_batched_tokens, self.max_model_len,
+                                   prefix_extension=self._prefix_extension)
+        self.runner = ModelRunner(loaded.model, self.num_blocks, config.block_size,
+                                  loaded.device, kv_dtype, backend)
+        self.sampler = Sampler(loaded.device)
+        self.speculator = make_speculator(config.speculative)
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, loaded.eos_token_ids)
+        self.structured = StructuredOutputs(self.vocab_size, self.grammars.decoded_vocab,
+                                            loaded.eos_token_ids)
+        self.processor = OutputProcessor(loaded.eos_token_ids, self.max_model_len,
+                                         self.tokenizer, self.structured, config.jump_forward)
         self.pin_results: dict[str, PinResult] = {}  # finished pin prefills, by request id
         self.expired_pins: list[PinKey] = []  # pins whose TTL lapsed, for the registry owner
-        self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
-        self._totals = {"prompt": 0, "generation": 0, "finished": 0, "steps": 0, "model": 0,
-                        "jump_forward": 0}
-        if self.kv_plan.cap_reason is not None:
-            logger.warning("max_model_len %d, below the model's %d: %s", self.max_model_len,
-                           self.kv_plan.model_len, self.kv_plan.cap_reason)
-        logger.info("%s; attention backend %s", self.kv_plan.describe(), backend.name)
+        self._totals = {"prompt": 0, "generation": 0, "finished": 0, "steps": 0, "model": 0}
+        _log_plan(self.kv_plan, backend.name)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
                     request_id: str | None = None, cache_salt: str | None = None,
@@ -191,11 +194,9 @@ class LLMEngine:
         ``num_retained_tokens``).
         """
         request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self._tracked:
+        if request_id in self.processor:
             raise ValueError(f"request id {request_id!r} is already in use")
-        vocab_size = self.loaded.model.dims.vocab_size
-        if any(not 0 <= t < vocab_size for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be within [0, {vocab_size})")
+        check_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
         if params.structured_outputs is not None and grammar is None:
             grammar = self.grammars.compile(params.structured_outputs)
         room = self.max_model_len - len(prompt_token_ids)
@@ -203,9 +204,7 @@ class LLMEngine:
         request = Request(request_id, list(prompt_token_ids), params, max(max_output, 1),
                           cache_salt)
         self.scheduler.add_request(request)
-        detok = IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, params.stop,
-                                       params.include_stop_str_in_output)
-        self._tracked[request_id] = _Tracked(request, detok)
+        self.processor.add(request)
         if grammar is not None:
             self.structured.add(request_id, grammar)
         if retention is not None:
@@ -219,8 +218,7 @@ class LLMEngine:
         """Stop a request now and free its blocks; returns its final delta if it was live."""
         if self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED) is None:
             return None
-        return self._delta(self._tracked[request_id], finished=True)
-
+        return self._last_delta(request_id)
     def add_pin(self, name: str, token_ids: list[int], ttl_s: float | None = None,
                 meta: dict | None = None, request_id: str | None = None,
                 owner: str | None = None, cache_salt: str | None = None) -> str:
@@ -278,58 +276,71 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[StreamDelta]:
+        """Schedule, run, process: one forward over the batch, then each request's news."""
         out = self.scheduler.schedule()
-        for request_id in out.admitted_ids:
-            self.pins.on_admitted(self.scheduler.requests[request_id])
-            self.retention.on_admitted(self.scheduler.requests[request_id])
-        deltas = [self._delta(self._tracked[rid], finished=True,
-                              error="the request does not fit in the KV cache pool")
-                  for rid in out.failed_ids]
+        self._admitted([self.scheduler.requests[rid] for rid in out.admitted_ids])
+        deltas = [self._failed(request_id) for request_id in out.failed_ids]
+        self.runner.copy_kv(out.kv_copies)
         if out.empty:
             return deltas
-        self.runner.copy_kv(out.kv_copies)
         result = self.runner.execute(out.scheduled)
         self.pins.keep_tails(out.scheduled)
         self._totals["steps"] += 1
         self._totals["model"] += result.num_tokens
         requests = [self.scheduler.requests[rid] for rid in result.request_ids]
+        sampled = self._sample(requests, result.logits, out.scheduled)
+        self.processor.process(requests, sampled.token_ids, sampled.dead_ends)
+        self.scheduler.update_from_output(out, sampled.token_ids)
+        items, now = {item.request_id: item for item in out.scheduled}, time.monotonic()
+        deltas += [self._news(request, items[request.request_id], now) for request in requests]
+        self._propose_drafts()
+        return deltas
+
+    def _admitted(self, requests: list[Request]) -> None:
+        """First admissions: credit the pins and retained prefixes they hit."""
+        for request in requests:
+            self.pins.on_admitted(request)
+            self.retention.on_admitted(request)
+
+    def _failed(self, request_id: str) -> StreamDelta:
+        """The scheduler finished this request: it can never fit in the pool."""
+        self.processor.fail(request_id, DOES_NOT_FIT)
+        return self._last_delta(request_id)
+
+    def _sample(self, requests: list[Request], logits: torch.Tensor,
+                scheduled: list[ScheduledRequest]) -> _Sampled:
+        """Each request's new tokens (its accepted drafts, then one sampled token), the output
+        constraints applied to its rows first."""
         drafts = {s.request_id: s.token_ids[len(s.token_ids) - s.num_draft_tokens:]
-                  for s in out.scheduled if s.num_draft_tokens}
+                  for s in scheduled if s.num_draft_tokens}
         constrained = [r for r in requests if r.request_id in self.structured]
         outputs = {r.request_id: r.output_token_ids for r in constrained}
         closing = {r.request_id for r in constrained if self.structured.needs_closing(
             r.request_id, r.max_output_tokens - r.num_output_tokens)}
-        dead_ends = set(self.structured.apply(result.logits, result.request_ids, drafts,
+        dead_ends = set(self.structured.apply(logits, [r.request_id for r in requests], drafts,
                                               outputs, closing))
-        token_ids = self.speculator.sample(self.sampler, result.logits, requests, drafts)
-        now = time.monotonic()
-        items = {item.request_id: item for item in out.scheduled}
-        for request in self.scheduler.update_from_output(out, token_ids):
-            tracked = self._tracked[request.request_id]
-            retained = self.retention.after_compute(request)
-            if retained is not None:
-                tracked.num_retained_tokens = retained.num_tokens
-            if request.first_token_time_s is None:
-                request.first_token_time_s = now
-            if request.request_id in self.structured:
-                new_ids = request.all_token_ids[request.num_prompt_tokens
-                                                + tracked.num_emitted_tokens:]
-                if not self._advance_grammar(request, new_ids, request.request_id in dead_ends):
-                    deltas.append(self._delta(tracked, finished=True, error=GRAMMAR_DEAD_END,
-                                              error_code="grammar_dead_end"))
-                    continue
-                if self.config.jump_forward and not request.status.finished:
-                    self._jump_forward(request)
-            self._detokenize(tracked)
-            if request.status.finished:
-                self.tails.on_finished(request, items.get(request.request_id))
-            deltas.append(self._delta(tracked, finished=request.status.finished))
+        return _Sampled(self.speculator.sample(self.sampler, logits, requests, drafts),
+                        dead_ends)
+
+    def _news(self, request: Request, item: ScheduledRequest, now: float) -> StreamDelta:
+        """A processed request's delta, once what it computed is held (retention) and, if it
+        finished, its tail kept."""
+        retained = self.retention.after_compute(request)
+        if retained is not None:
+            self.processor.note_retained(request.request_id, retained.num_tokens)
+        if request.first_token_time_s is None:
+            request.first_token_time_s = now
+        if not request.status.finished:
+            return self.processor.delta(request.request_id, finished=False)
+        self.tails.on_finished(request, item)
+        return self._last_delta(request.request_id)
+
+    def _propose_drafts(self) -> None:
         self.speculator.propose(self.scheduler.running, self.scheduler.num_waiting)
         for request in self.scheduler.running:  # a constrained request drafts what it may write
             if request.spec_token_ids and request.request_id in self.structured:
                 request.spec_token_ids = self.structured.legal_prefix(request.request_id,
                                                                       request.spec_token_ids)
-        return deltas
 
     def _prefix_extension(self, block_hashes: Sequence[BlockHash],
                           next_tokens: list[int]) -> tuple[int, int] | None:
@@ -338,95 +349,22 @@ class LLMEngine:
                  self.tails.tail_after(block_hashes, next_tokens)]
         return max((f for f in found if f is not None), key=lambda f: f[1], default=None)
 
-    def _detokenize(self, tracked: _Tracked) -> None:
-        """Feed the request's new tokens to its detokenizer one by one; at a stop string, the
-        tokens after it are dropped (a step may have accepted several) and the request stops."""
-        request = tracked.request
-        detokenizer = tracked.detokenizer
-        num_tokens = request.num_prompt_tokens + tracked.num_emitted_tokens
-        for token_id in request.all_token_ids[num_tokens:]:
-            detokenizer.add_token(token_id)
-            num_tokens += 1
-            if detokenizer.stop_reason is not None:
-                break
-        if detokenizer.stop_reason is None:
-            return
-        if num_tokens < request.num_tokens:  # tokens past the stop string came in this step
-            request.truncate(num_tokens)
-            if request.status.finished:  # by one of the dropped tokens: the string came first
-                request.status = RequestStatus.FINISHED_STOPPED
-                request.stop_reason = detokenizer.stop_reason
-                return
-        if not request.status.finished:
-            request.stop_reason = detokenizer.stop_reason
-            self.scheduler.finish_request(request.request_id, RequestStatus.FINISHED_STOPPED)
-
-    def _advance_grammar(self, request: Request, new_ids: list[int], dead_end: bool) -> bool:
-        """Feed this step's tokens (accepted drafts, then the sampled one) to the request's
-        matcher; False (request finished) when the grammar had no legal token or rejects one.
-        A complete grammar finishes the request."""
-        rid = request.request_id
-        if dead_end or not all(self.structured.accept(rid, t) for t in new_ids):
-            self.scheduler.finish_request(rid, RequestStatus.FINISHED_ABORTED)
-            return False
-        if self.structured.is_terminated(rid) and not request.status.finished:
-            self.scheduler.finish_request(rid, RequestStatus.FINISHED_STOPPED)
-        return True
-
-    def _jump_forward(self, request: Request) -> None:
-        """Append the tokens the grammar forces next (see ``agentd.structured.jump_forward``);
-        their KV is computed in the next step, with the request's next token, as one chunk."""
-        rid = request.request_id
-        jump = plan_jump(self.tokenizer, request.output_token_ids,
-                         self.structured.forced_text(rid))
-        if jump is None:
-            return
-        self.structured.rollback(rid, jump.num_replaced)
-        del request.all_token_ids[len(request.all_token_ids) - jump.num_replaced:]
-        room = request.max_output_tokens - request.num_output_tokens
-        for token_id in jump.token_ids[:room]:
-            if not self.structured.accept(rid, token_id):
-                break  # cannot happen: the grammar forced this text
-            request.append_token(token_id)
-        self._totals["jump_forward"] += min(len(jump.token_ids), room) - jump.num_replaced
-        if request.num_output_tokens >= request.max_output_tokens:
-            self.scheduler.finish_request(rid, RequestStatus.FINISHED_LENGTH)
-
-    def _delta(self, tracked: _Tracked, finished: bool, error: str | None = None,
-               error_code: str | None = None) -> StreamDelta:
-        request = tracked.request
-        new_ids = request.output_token_ids[tracked.num_emitted_tokens:]
-        tracked.num_emitted_tokens = request.num_output_tokens
-        text = tracked.detokenizer.flush(finished)
-        if finished:
-            if request.request_id in self.pins.pending:
-                result = self.pins.complete(request.request_id,
-                                            failed=error or request.status.value == "abort")
-                if result is not None:
-                    self.pin_results[request.request_id] = result
-            del self._tracked[request.request_id]
-            self.retention.forget(request.request_id)
-            self.tails.forget(request.request_id)
-            self.sampler.forget(request.request_id)
-            self.speculator.forget(request.request_id)
-            self.structured.remove(request.request_id)
-            self._totals["finished"] += 1
-            self._totals["generation"] += request.num_output_tokens
-        return StreamDelta(
-            request_id=request.request_id,
-            text=text,
-            token_ids=new_ids,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_cached_tokens=request.num_cached_tokens or 0,
-            num_output_tokens=request.num_output_tokens,
-            num_retained_tokens=tracked.num_retained_tokens,
-            finish_reason=request.status.value if finished else None,
-            stop_reason=request.stop_reason,
-            error=error,
-            error_code=error_code or ("context_length_exceeded" if error else None),
-            first_token_time_s=request.first_token_time_s,
-            arrival_time_s=request.arrival_time_s,
-        )
+    def _last_delta(self, request_id: str) -> StreamDelta:
+        """A finished request's last delta; everything kept about it goes."""
+        delta = self.processor.delta(request_id, finished=True)
+        if request_id in self.pins.pending:
+            result = self.pins.complete(request_id,
+                                        failed=delta.error or delta.finish_reason == "abort")
+            if result is not None:
+                self.pin_results[request_id] = result
+        self.retention.forget(request_id)
+        self.tails.forget(request_id)
+        self.sampler.forget(request_id)
+        self.speculator.forget(request_id)
+        self.structured.remove(request_id)
+        self._totals["finished"] += 1
+        self._totals["generation"] += delta.num_output_tokens
+        return delta
 
     def stats(self) -> EngineStats:
         pool = self.kv_cache.pool
@@ -449,7 +387,7 @@ class LLMEngine:
             num_model_tokens=self._totals["model"],
             num_blocks_pinned=self.pins.registry.num_pinned_blocks,
             num_pins=len(self.pins.registry),
-            num_jump_forward_tokens=self._totals["jump_forward"],
+            num_jump_forward_tokens=self.processor.num_jump_forward_tokens,
             num_retained=len(self.pins.registry.retained),
             num_blocks_retained=self.pins.registry.num_retained_blocks,
             num_retained_expired=self.retention.num_expired,

@@ -32,6 +32,7 @@ from agentd.near_miss import Span, describe, find_span
 from agentd.near_miss import common_prefix_len as common_len
 from agentd.request import Request
 from agentd.retention import RetainedStat, retained_stats
+from agentd.runner import copy_kv
 from agentd.scheduler import ScheduledRequest
 
 _NEAR_MISS_KEEP = 256
@@ -301,6 +302,7 @@ class PinManager:
         cached = self.kv_cache.find_cached_prefix(pending.token_ids, pending.cache_salt)
         if self.kv_cache.allocate(request_id, len(pending.token_ids), cached) is None:
             raise PinError("the pool has no room for the snapshot's blocks")
+        copy_kv(kv_caches, self.kv_cache.take_copies())  # before the snapshot writes over them
         table = self.kv_cache.block_table(request_id)
         num_reused = len(cached.block_ids)
         new_ids = torch.tensor(table[num_reused:num_blocks], dtype=torch.long)
@@ -314,7 +316,7 @@ class PinManager:
                                                                     dtype=layer.dtype)
             self.kv_cache.touch([pending.tail_block])
         self.kv_cache.cache_blocks(request_id, pending.token_ids, num_blocks * block_size,
-                                   pending.cache_salt)
+                                   pending.cache_salt, cached.block_hashes)
         result = self._register(pending, restored=True)
         self.kv_cache.free(request_id)  # the pin's own references keep the blocks
         return result
@@ -338,10 +340,9 @@ class PinManager:
     # --- accounting ------------------------------------------------------------------------
     def on_admitted(self, request: Request) -> None:
         """Credit a pin hit, or record a near miss, for a request admitted for the first time."""
-        if (not len(self.registry) or request.prefix_block_hashes is None
-                or request.request_id in self.pending):
+        if not len(self.registry) or request.request_id in self.pending:
             return
-        hashes = request.prefix_block_hashes
+        hashes = request.prompt_block_hashes(self.kv_cache.block_size)
         pin = self.registry.match(hashes)
         if pin is not None:
             request.pin_name = pin.name

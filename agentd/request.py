@@ -13,6 +13,21 @@ from dataclasses import dataclass, field
 from agentd.sampling_params import SamplingParams
 
 
+def check_prompt(prompt_token_ids: list[int], max_model_len: int,
+                 vocab_size: int | None = None) -> None:
+    """The engine's one check of a prompt: not empty, room left in the context for at least one
+    output token, token ids within the vocabulary. Raises ValueError saying which."""
+    if not prompt_token_ids:
+        raise ValueError("the prompt is empty")
+    if len(prompt_token_ids) >= max_model_len:
+        raise ValueError(
+            f"the prompt has {len(prompt_token_ids)} tokens but this model's context "
+            f"(max_model_len) is {max_model_len} tokens, which must also hold the output"
+        )
+    if vocab_size is not None and any(not 0 <= t < vocab_size for t in prompt_token_ids):
+        raise ValueError(f"prompt token ids must be within [0, {vocab_size})")
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -41,9 +56,9 @@ class Request:
     stop_reason: str | int | None = None
     first_token_time_s: float | None = None
     num_preemptions: int = 0
-    prefix_block_hashes: list[bytes] | None = None  # hashes of the prompt's full blocks
-    # hashes of all_token_ids' full blocks as far as they were looked up: computed once while
-    # the request waits (and extended after a preemption), never again every step
+    # The hash chain of all_token_ids' full blocks, as far as it is known: hashed once while the
+    # request waits (its lookup), extended as its blocks are computed and cached, never again
+    # every step. The one copy: the cache manager and the pins read it, and keep none.
     block_hashes: list[bytes] = field(default_factory=list)
     pin_name: str | None = None  # the pin this request hit, if any
     # Draft tokens proposed to follow ``all_token_ids`` (agentd.spec_decode); the scheduler runs
@@ -68,6 +83,10 @@ class Request:
     @property
     def output_token_ids(self) -> list[int]:
         return self.all_token_ids[len(self.prompt_token_ids):]
+
+    def prompt_block_hashes(self, block_size: int) -> list[bytes]:
+        """The hashes of the prompt's full blocks (all known once the request is admitted)."""
+        return self.block_hashes[:self.num_prompt_tokens // block_size]
 
     def append_token(self, token_id: int) -> None:
         self.all_token_ids.append(token_id)

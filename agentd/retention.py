@@ -85,7 +85,7 @@ class RetentionManager:
             return None
         del self.pending[request.request_id]
         return self.retain(request.prompt_token_ids, hold, request.cache_salt,
-                           request.prefix_block_hashes)
+                           request.prompt_block_hashes(self.kv_cache.block_size))
 
     def retain(self, token_ids: Sequence[int], hold: HoldRequest, cache_salt: str | None,
                block_hashes: list[BlockHash] | None = None) -> Retained | None:
@@ -118,10 +118,9 @@ class RetentionManager:
     def on_admitted(self, request: Request) -> None:
         """A request admitted for the first time refreshes every retained prefix it holds whole
         (as Anthropic refreshes a cache entry on use) and counts as its hit."""
-        if request.prefix_block_hashes is None:
-            return
         now = time.monotonic()
-        for prefix in self.registry.retained.matching(request.prefix_block_hashes):
+        hashes = request.prompt_block_hashes(self.kv_cache.block_size)
+        for prefix in self.registry.retained.matching(hashes):
             prefix.num_hits += 1
             prefix.num_tokens_served += min(request.num_cached_tokens or 0, prefix.num_tokens)
             prefix.refresh(now)

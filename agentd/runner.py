@@ -12,9 +12,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from agentd.cache import KVCopy
 from agentd.kernels import AttentionBackend, attention_step
 from agentd.model.llama import AttentionMetadata, LlamaModel, release_free_memory
-from agentd.scheduler import KVCopy, ScheduledRequest
+from agentd.scheduler import ScheduledRequest
 
 TRIM_AFTER_TOKENS = 512  # such a step takes >= 0.3 s on CPU; trimming the heap takes ~4 ms
 
@@ -42,6 +43,14 @@ def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device)
     return torch.from_numpy(np.zeros(shape, dtype=_NUMPY_TWINS[dtype])).view(dtype)
 
 
+@torch.inference_mode()
+def copy_kv(kv_caches: list[torch.Tensor], copies: list[KVCopy]) -> None:
+    """Run ``copies`` on the pool's layers, in order."""
+    for copy in copies:
+        for kv in kv_caches:
+            kv[copy.dst, :, :copy.num_slots] = kv[copy.src, :, :copy.num_slots]
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int,
                  device: torch.device, kv_dtype: torch.dtype, backend: AttentionBackend) -> None:
@@ -63,16 +72,10 @@ class ModelRunner:
         elem_bytes = torch.empty((), dtype=dtype).element_size()
         return dims.num_layers * 2 * block_size * dims.num_kv_heads * dims.head_dim * elem_bytes
 
-    @torch.inference_mode()
     def copy_kv(self, copies: list[KVCopy]) -> None:
-        """Copy the first slots of blocks into others, in every layer (before a forward)."""
-        for copy in copies:
-            for kv in self.kv_caches:
-                kv[copy.dst, :, :copy.num_slots] = kv[copy.src, :, :copy.num_slots]
-
-    def move_block(self, src: int, dst: int) -> None:
-        """Copy block ``src``'s whole KV into block ``dst``, in every layer, now."""
-        self.copy_kv([KVCopy(src, dst, self.block_size)])
+        """Copy the first slots of blocks into others, in every layer, in order (before a
+        forward: a step's ``kv_copies``)."""
+        copy_kv(self.kv_caches, copies)
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> StepResult:

@@ -6,7 +6,8 @@ when prefilling in chunks); then waiting requests are admitted in order while th
 (``max_num_batched_tokens``), ``max_num_seqs`` and the block pool allow. Admission first asks the
 cache manager for the longest cached prefix, so only the uncached tail is prefilled; a pin's
 partial last block extends that prefix (``prefix_extension``): its slots are copied into the
-request's first new block before the step's forward (``SchedulerOutput.kv_copies``). A waiting
+request's first new block before the step's forward (a ``SchedulerOutput.kv_copies`` entry, like
+every KV copy the step needs: the cache manager queues them). A waiting
 request whose next ``WAIT_FOR_TOKENS`` uncached tokens a running request is still computing
 (agents that start together with the same new prompt) waits for them to be cached rather than
 compute them again; the requests behind it are admitted meanwhile.
@@ -21,16 +22,20 @@ Preemption rule: when a running request cannot get the blocks it needs, the most
 running request is preempted: its blocks are freed (full ones stay cached) and it returns to the
 front of the waiting queue to be recomputed later, mostly from cache. Lack of blocks never raises;
 a request that cannot fit even alone in the pool is finished with reason "length".
+
+The scheduler never decides that a request is done generating: :mod:`agentd.output_processor`
+appends each step's tokens and decides that; ``update_from_output`` then advances what is
+computed, caches full blocks and frees the blocks of the requests it finished.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from agentd.cache import BlockHash, CachedPrefix, KVCacheManager
-from agentd.request import Request, RequestStatus
+from agentd.cache import BlockHash, CachedPrefix, KVCacheManager, KVCopy
+from agentd.request import Request, RequestStatus, check_prompt
 
 # (a request's cached full-block chain, the tokens after it) -> (block, n): the first n of those
 # tokens already have KV in slots 0..n-1 of that block (a pin's partial last block).
@@ -43,15 +48,6 @@ PrefixExtension = Callable[[Sequence[BlockHash], list[int]], "tuple[int, int] | 
 # and 4.2 s). Below it, recomputing is cheaper than waiting a step: the shared prompt's last
 # partial chunk, say.
 WAIT_FOR_TOKENS = 256
-
-
-@dataclass(frozen=True)
-class KVCopy:
-    """Before the step's forward: copy slots ``0..num_slots-1`` of block ``src`` to ``dst``."""
-
-    src: int
-    dst: int
-    num_slots: int
 
 
 @dataclass(frozen=True)
@@ -70,7 +66,7 @@ class SchedulerOutput:
     preempted_ids: list[str] = field(default_factory=list)
     failed_ids: list[str] = field(default_factory=list)  # finished: they can never fit
     admitted_ids: list[str] = field(default_factory=list)  # first admissions this step
-    kv_copies: list[KVCopy] = field(default_factory=list)  # run before the forward
+    kv_copies: list[KVCopy] = field(default_factory=list)  # run in order, before the forward
 
     @property
     def num_batched_tokens(self) -> int:
@@ -90,27 +86,25 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_token_ids: Iterable[int]) -> None:
+                 max_model_len: int, prefix_extension: PrefixExtension | None = None) -> None:
+        """``max_model_len``: the context every request fits in (its prompt is checked when it
+        is added, and the output processor ends it there); no draft runs past it.
+        ``prefix_extension`` extends a cached prefix past its last full block (kept partial
+        blocks: pins' and stored conversations'); None: never."""
         self.kv_cache = kv_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.eos_token_ids = frozenset(eos_token_ids)
+        self.prefix_extension = prefix_extension
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
-        # Extends a cached prefix past its last full block (the engine's pins); None: never.
-        self.prefix_extension: PrefixExtension | None = None
 
     def add_request(self, request: Request) -> None:
-        if request.num_prompt_tokens == 0:
-            raise ValueError("the prompt is empty")
-        if request.num_prompt_tokens >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {request.num_prompt_tokens} tokens but this model's context "
-                f"(max_model_len) is {self.max_model_len} tokens, which must also hold the output"
-            )
+        """Queue a request; ValueError (nothing queued) for a prompt that is empty or leaves
+        no room in ``max_model_len`` (``agentd.request.check_prompt``)."""
+        check_prompt(request.prompt_token_ids, self.max_model_len)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -157,6 +151,7 @@ class Scheduler:
             out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
             computing.update(self._uncomputed_blocks(request))
+        out.kv_copies = self.kv_cache.take_copies()
         return out
 
     def _would_recompute(self, cached: CachedPrefix, computing: set[BlockHash]) -> bool:
@@ -172,14 +167,16 @@ class Scheduler:
                 for block_hash in self._uncomputed_blocks(request)}
 
     def _uncomputed_blocks(self, request: Request) -> list[BlockHash]:
-        hashes = request.prefix_block_hashes or []
-        return hashes[request.num_computed_tokens // self.kv_cache.block_size:]
+        block_size = self.kv_cache.block_size
+        hashes = request.prompt_block_hashes(block_size)
+        return hashes[request.num_computed_tokens // block_size:]
 
     def _fit_drafts(self, request: Request, num_new: int, budget: int) -> list[int]:
         """Takes ``request``'s drafts (a guess runs once) and returns those that run this step,
         their blocks allocated: only beside a decode token, within the budget, and only while
         the pool keeps a free block for every running request, so drafts never push anyone out.
         """
+        budget = min(budget, self.max_model_len - request.num_tokens)
         drafts, request.spec_token_ids = request.spec_token_ids[:budget], []
         decoding = num_new == 1 == request.num_tokens - request.num_computed_tokens
         if not drafts or not decoding:
@@ -223,11 +220,10 @@ class Scheduler:
         self.waiting.remove(request)
         if extension is not None:
             first_new = self.kv_cache.block_table(request.request_id)[len(cached.block_ids)]
-            out.kv_copies.append(KVCopy(extension[0], first_new, extension[1]))
+            self.kv_cache.copy_slots(extension[0], first_new, extension[1])
         request.num_computed_tokens = num_cached
         if request.num_cached_tokens is None:
             request.num_cached_tokens = num_cached
-            request.prefix_block_hashes = list(cached.block_hashes)
             out.admitted_ids.append(request.request_id)
             self.stats.prefix_cache_queries += request.num_tokens
             self.stats.prefix_cache_hits += num_cached
@@ -256,55 +252,31 @@ class Scheduler:
         self.waiting.appendleft(request)
 
     def update_from_output(self, out: SchedulerOutput,
-                           sampled_token_ids: Mapping[str, Sequence[int]]) -> list[Request]:
-        """Advance the scheduled requests; returns those that got new tokens (finished or not).
+                           sampled_token_ids: Mapping[str, Sequence[int]]) -> None:
+        """After the output processor took the step's tokens: advance what is computed, cache
+        the full blocks, and free the blocks of the requests it finished (or those of rejected
+        drafts).
 
         ``sampled_token_ids`` holds, per sampling request, its accepted drafts (a prefix of its
-        ``num_draft_tokens`` drafts) followed by one sampled token.
+        ``num_draft_tokens`` drafts) followed by one sampled token; the processor appended them,
+        up to the first that finished the request.
         """
-        updated = []
         for item in out.scheduled:
             request = self.requests.get(item.request_id)
-            if request is None or request.status.finished:
+            if request is None:
                 continue  # aborted while the step ran
-            new_token_ids = sampled_token_ids[item.request_id] if item.sample else []
-            num_rejected = item.num_draft_tokens - max(len(new_token_ids) - 1, 0)
-            request.num_computed_tokens += len(item.token_ids) - num_rejected
-            status = self._append_tokens(request, new_token_ids)
+            num_sampled = len(sampled_token_ids[item.request_id]) if item.sample else 0
+            num_rejected = item.num_draft_tokens - max(num_sampled - 1, 0)
+            request.num_computed_tokens = min(
+                request.num_computed_tokens + len(item.token_ids) - num_rejected,
+                request.num_tokens)
             self.kv_cache.cache_blocks(request.request_id, request.all_token_ids,
-                                       request.num_computed_tokens, request.cache_salt)
-            if status is not None:
-                self._finish(request, status)
+                                       request.num_computed_tokens, request.cache_salt,
+                                       request.block_hashes)
+            if request.status.finished:  # the output processor's decision
+                self._finish(request, request.status)
             elif num_rejected:
                 self.kv_cache.trim(request.request_id, request.num_computed_tokens)
-            if item.sample:
-                updated.append(request)
-        return updated
-
-    def _append_tokens(self, request: Request, token_ids: Sequence[int]) -> RequestStatus | None:
-        """Append tokens one by one, as if each came from its own step: the first that stops
-        the request is its last."""
-        for token_id in token_ids:
-            request.append_token(token_id)
-            status = self._check_stop(request)
-            if status is not None:
-                request.num_computed_tokens = min(request.num_computed_tokens,
-                                                  request.num_tokens)
-                return status
-        return None
-
-    def _check_stop(self, request: Request) -> RequestStatus | None:
-        token_id = request.all_token_ids[-1]
-        params = request.params
-        if token_id in self.eos_token_ids and not params.ignore_eos:
-            return RequestStatus.FINISHED_STOPPED
-        if token_id in params.stop_token_ids:
-            request.stop_reason = token_id
-            return RequestStatus.FINISHED_STOPPED
-        if (request.num_output_tokens >= request.max_output_tokens
-                or request.num_tokens >= self.max_model_len):
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
         """Finish a request from outside (abort, stop string); frees its blocks at once."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from .block_pool import BlockPool, FreeBlockQueue, KVBlock, NoFreeBlocksError
 from .hashing import BlockHash, hash_block, hash_blocks
-from .kv_cache_manager import CachedPrefix, KVCacheManager
+from .kv_cache_manager import CachedPrefix, KVCacheManager, KVCopy
 from .pins import (
     Pin,
     PinBudgetError,
@@ -27,6 +27,7 @@ __all__ = [
     "FreeBlockQueue",
     "KVBlock",
     "KVCacheManager",
+    "KVCopy",
     "NoFreeBlocksError",
     "Pin",
     "PinBudgetError",

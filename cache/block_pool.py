@@ -183,15 +183,18 @@ class BlockPool:
         after the previous where that one is free, so a table is a run of consecutive blocks as
         often as it can be (attention reads such a run in place, without gathering it). A free
         block that holds a hash is only taken with ``move``: the head block is evicted as it
-        would have been, and ``move(src, dst)`` copies the wanted block's KV into it, which then
-        holds that hash in the wanted block's place in the LRU order. Nothing that head order
-        would have kept cached is evicted.
+        would have been and takes over the wanted block's hash, in its place in the LRU order;
+        ``move(src, dst)`` is told that the wanted block's KV belongs in the head block now. The
+        pool holds no KV: the caller copies it before anything writes into the wanted block
+        (the scheduler queues it as a ``KVCopy`` of its step). Nothing that head order would
+        have kept cached is evicted.
 
         Args:
             num_blocks: how many blocks to hand out.
             after: the block the first one should follow; ``None``: head order, as the queue
                 stands.
-            move: copies a block's KV into another (the runner's memory), at once.
+            move: told of each such move, as it happens (``src`` the wanted block, ``dst`` the
+                head block that holds its hash now).
 
         Returns:
             The block ids, each with ref_cnt 1.

@@ -2,13 +2,17 @@
 
 Invariant: each live request holds exactly one reference on every block of its block table;
 a request's first ``num_cached_blocks`` blocks are registered in the pool (or lost a hash race to
-an identical block), and ``allocate`` either succeeds entirely or changes nothing.
+an identical block), and ``allocate`` either succeeds entirely or changes nothing. Block hashes
+are the caller's (a request's own chain, extended in place), never kept here. Every KV copy the
+tables need (a cached block moved out of a growing table's way, a prefix's partial block copied
+in) is queued as a ``KVCopy`` until ``take_copies``: the caller runs them, in order, before any
+forward writes into those blocks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 from .block_pool import BlockPool
 from .hashing import BlockHash, hash_blocks
@@ -27,10 +31,18 @@ class CachedPrefix:
     num_tokens: int
 
 
+@dataclass(frozen=True)
+class KVCopy:
+    """Before the next forward: copy slots ``0..num_slots-1`` of block ``src`` to ``dst``."""
+
+    src: int
+    dst: int
+    num_slots: int
+
+
 @dataclass
 class _RequestBlocks:
     block_ids: list[int]
-    block_hashes: list[BlockHash] = field(default_factory=list)
     num_cached_blocks: int = 0
 
 
@@ -43,7 +55,11 @@ class KVCacheManager:
         block_size: int,
         enable_caching: bool = True,
         extra_key: bytes = b"",
+        move_cached_blocks: bool = False,
     ) -> None:
+        """``move_cached_blocks``: grow a table into the block after its last even when that one
+        holds a cached prefix, whose KV then moves to another block (a queued ``KVCopy``: only
+        for a caller that runs ``take_copies`` before each forward)."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
@@ -51,9 +67,8 @@ class KVCacheManager:
         self.extra_key = extra_key
         self.pool = BlockPool(num_blocks, enable_caching=enable_caching)
         self._requests: dict[str, _RequestBlocks] = {}
-        # Copies a block's KV into another at once (the runner's): with it, a table grows into
-        # the block after its last even when that one holds a cached prefix (BlockPool.allocate).
-        self.move_block: Callable[[int, int], None] | None = None
+        self.move_cached_blocks = move_cached_blocks
+        self._copies: list[KVCopy] = []  # queued for the next forward (take_copies)
 
     @property
     def num_free_blocks(self) -> int:
@@ -136,8 +151,6 @@ class KVCacheManager:
         if state is None:
             self.pool.touch(cached_ids)
             state = _RequestBlocks(block_ids=list(cached_ids), num_cached_blocks=len(cached_ids))
-            if cached is not None:
-                state.block_hashes = list(cached.block_hashes)
             self._requests[request_id] = state
         new_block_ids: list[int] = []
         if state.block_ids:
@@ -148,9 +161,23 @@ class KVCacheManager:
         else:
             last = None
         new_block_ids += self.pool.allocate(num_new - len(new_block_ids), after=last,
-                                            move=self.move_block)
+                                            move=self._move if self.move_cached_blocks else None)
         state.block_ids.extend(new_block_ids)
         return new_block_ids
+
+    def _move(self, src: int, dst: int) -> None:
+        """The pool gave a growing table the cached block ``src``; its KV moves to ``dst``."""
+        self._copies.append(KVCopy(src, dst, self.block_size))
+
+    def copy_slots(self, src: int, dst: int, num_slots: int) -> None:
+        """Queue a copy of block ``src``'s first ``num_slots`` slots into ``dst`` (a prefix's
+        partial last block, into a request's first new block)."""
+        self._copies.append(KVCopy(src, dst, num_slots))
+
+    def take_copies(self) -> list[KVCopy]:
+        """The KV copies queued since the last call, in the order they must run."""
+        copies, self._copies = self._copies, []
+        return copies
 
     def _check_still_cached(self, cached: CachedPrefix) -> None:
         for block_id, block_hash in zip(cached.block_ids, cached.block_hashes, strict=False):
@@ -166,6 +193,7 @@ class KVCacheManager:
         token_ids: Sequence[int],
         num_computed_tokens: int,
         cache_salt: str | None = None,
+        block_hashes: list[BlockHash] | None = None,
     ) -> None:
         """Register the request's newly completed full blocks so other requests can hit them.
 
@@ -174,6 +202,8 @@ class KVCacheManager:
             token_ids: the request's tokens (at least ``num_computed_tokens`` of them).
             num_computed_tokens: tokens whose KV is now written; only full blocks count.
             cache_salt: the request's salt, as given to ``find_cached_prefix``.
+            block_hashes: the request's own chain (as given to ``find_cached_prefix``), extended
+                in place with the blocks it lacks; None: hashed afresh for this call.
         """
         if not self.enable_caching:
             return
@@ -183,9 +213,10 @@ class KVCacheManager:
         start = state.num_cached_blocks
         if num_full_blocks <= start:
             return
-        self._extend_hashes(state.block_hashes, token_ids, num_full_blocks, cache_salt)
+        block_hashes = [] if block_hashes is None else block_hashes
+        self._extend_hashes(block_hashes, token_ids, num_full_blocks, cache_salt)
         self.pool.cache_full_blocks(
-            state.block_ids[start:num_full_blocks], state.block_hashes[start:num_full_blocks]
+            state.block_ids[start:num_full_blocks], block_hashes[start:num_full_blocks]
         )
         state.num_cached_blocks = num_full_blocks
 

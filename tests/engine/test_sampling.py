@@ -16,8 +16,8 @@ import pytest
 import torch
 import transformers
 
-from agentd.detokenizer import IncrementalDetokenizer
 from agentd.llm import LLM
+from agentd.output_processor import OutputText
 from agentd.outputs import RequestOutput
 from agentd.request import Request
 from agentd.sampler import Sampler
@@ -287,9 +287,9 @@ def tokenizer(default_model_dir: Path):
 
 
 def stream(tokenizer, prompt_ids: list[int], output_ids: list[int], stop: Sequence[str] = (),
-           include: bool = False) -> tuple[list[str], IncrementalDetokenizer]:
+           include: bool = False) -> tuple[list[str], OutputText]:
     """Feed tokens one by one; the deltas a client would see, the last one on finishing."""
-    detok = IncrementalDetokenizer(tokenizer, prompt_ids, list(stop), include)
+    detok = OutputText(tokenizer, prompt_ids, list(stop), include)
     deltas = []
     for token_id in output_ids:
         detok.add_token(token_id)

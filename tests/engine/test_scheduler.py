@@ -12,12 +12,32 @@ from dataclasses import dataclass, field
 import pytest
 
 from agentd.cache import KVCacheManager
+from agentd.output_processor import OutputProcessor
 from agentd.request import Request, RequestStatus
 from agentd.sampling_params import SamplingParams
 from agentd.scheduler import Scheduler, SchedulerOutput
 
 BLOCK_SIZE = 4
 EOS = 2
+
+
+class ProcessingScheduler(Scheduler):
+    """The scheduler as the engine drives it: the output processor takes each step's sampled
+    tokens (and decides who finished) before ``update_from_output``."""
+
+    def __init__(self, *args, eos_token_ids: list[int], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.processor = OutputProcessor(eos_token_ids, self.max_model_len)
+
+    def add_request(self, request: Request) -> None:
+        super().add_request(request)
+        self.processor.add(request)
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
+        requests = [self.requests[s.request_id] for s in out.scheduled
+                    if s.sample and s.request_id in self.requests]
+        self.processor.process(requests, sampled)
+        super().update_from_output(out, sampled)
 
 
 @dataclass
@@ -78,7 +98,8 @@ class Harness:
 def make(num_blocks: int = 64, max_num_seqs: int = 8, budget: int = 64,
          max_model_len: int = 256) -> Harness:
     kv_cache = KVCacheManager(num_blocks, BLOCK_SIZE)
-    scheduler = Scheduler(kv_cache, max_num_seqs, budget, max_model_len, eos_token_ids=[EOS])
+    scheduler = ProcessingScheduler(kv_cache, max_num_seqs, budget, max_model_len,
+                                    eos_token_ids=[EOS])
     return Harness(scheduler, FakeRunner(), budget, max_num_seqs)
 
 

@@ -12,6 +12,7 @@ import torch
 from agentd.cache import KVCacheManager
 from agentd.cache.hashing import hash_blocks
 from agentd.config import SpeculativeConfig
+from agentd.output_processor import OutputProcessor
 from agentd.request import Request
 from agentd.sampler import Sampler
 from agentd.sampling_params import SamplingParams
@@ -89,9 +90,29 @@ def test_a_sampled_request_draws_each_token_as_without_drafts() -> None:
 
 # --- the scheduler: drafts run once, rejected KV is rolled back -------------------------------
 
+class ProcessingScheduler(Scheduler):
+    """The scheduler as the engine drives it: the output processor takes each step's sampled
+    tokens (and decides who finished) before ``update_from_output``."""
+
+    def __init__(self, *args, eos_token_ids: list[int], **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.processor = OutputProcessor(eos_token_ids, self.max_model_len)
+
+    def add_request(self, request: Request) -> None:
+        super().add_request(request)
+        self.processor.add(request)
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> None:
+        requests = [self.requests[s.request_id] for s in out.scheduled
+                    if s.sample and s.request_id in self.requests]
+        self.processor.process(requests, sampled)
+        super().update_from_output(out, sampled)
+
+
 def make_scheduler(num_blocks: int = 16, budget: int = 64) -> Scheduler:
-    return Scheduler(KVCacheManager(num_blocks, BLOCK_SIZE), max_num_seqs=4,
-                     max_num_batched_tokens=budget, max_model_len=256, eos_token_ids=[2])
+    return ProcessingScheduler(KVCacheManager(num_blocks, BLOCK_SIZE), max_num_seqs=4,
+                               max_num_batched_tokens=budget, max_model_len=256,
+                               eos_token_ids=[2])
 
 
 def add(scheduler: Scheduler, request_id: str, prompt: list[int], max_tokens: int = 32) -> Request:

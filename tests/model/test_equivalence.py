@@ -190,10 +190,11 @@ def test_greedy_from_blocks_moved_so_that_tables_stay_consecutive(case: Case) ->
     turns = [prefix + case.prompts[5][:20], prefix + case.prompts[4][:20]]
     expected = [oracle_greedy(case.hf_model, p, MAX_TOKENS) for p in turns]
     llm = make_llm(case)
-    moves: list[tuple[int, int]] = []
-    move_block = llm.engine.kv_cache.move_block
-    llm.engine.kv_cache.move_block = lambda src, dst: (moves.append((src, dst)),
-                                                       move_block(src, dst))
+    moves: list[tuple[int, int]] = []  # whole-block copies: KV moved out of a table's way
+    copy_kv = llm.engine.runner.copy_kv
+    llm.engine.runner.copy_kv = lambda copies: (
+        moves.extend((c.src, c.dst) for c in copies if c.num_slots == BLOCK_SIZE),
+        copy_kv(copies))
     tables: dict[str, list[int]] = {}
     execute = llm.engine.runner.execute
     llm.engine.runner.execute = lambda scheduled: (

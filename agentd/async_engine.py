@@ -21,6 +21,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from agentd.cache import REQUEST
 from agentd.config import EngineConfig
 from agentd.engine import EngineStats, LLMEngine
 from agentd.outputs import StreamDelta
@@ -453,31 +454,13 @@ class AsyncEngine:
 
 
 def _check_references(engine: LLMEngine) -> None:
-    """Raise AssertionError unless the pool is sound and each block's ref count equals the
-    number of its owners: live requests' block tables plus the pins holding it (full blocks
-    and tail blocks) and the retained prefixes holding it."""
+    """Raise AssertionError unless the pool is sound, each block's ref count equals the number
+    of its holders (``kv_cache.holders``: requests' block tables, pins with their tail blocks,
+    pin prefills' tails, retained prefixes, kept conversation tails), and every block table
+    held belongs to a request the scheduler still runs or waits on."""
     kv_cache = engine.kv_cache
-    pool = kv_cache.pool
-    pool.check_integrity()
-    owners = [0] * pool.num_blocks
-    for request_id in engine.scheduler.requests:
-        if kv_cache.has_request(request_id):
-            for block_id in kv_cache.block_table(request_id):
-                owners[block_id] += 1
-    for pin in engine.pins.registry:
-        for block_id in pin.held_block_ids:
-            owners[block_id] += 1
-    for prefix in engine.pins.registry.retained:
-        for block_id in prefix.block_ids:
-            owners[block_id] += 1
-    for pending in engine.pins.pending.values():  # a prefilled tail not registered yet
-        if pending.tail_block is not None:
-            owners[pending.tail_block] += 1
-    for block_id in engine.tails.held_block_ids:  # stored conversations' last partial blocks
-        owners[block_id] += 1
-    for block_id, num_owners in enumerate(owners):
-        ref_cnt = pool.ref_cnt(block_id)
-        assert ref_cnt == num_owners, (
-            f"block {block_id} has ref_cnt {ref_cnt} but {num_owners} owners (a leaked or "
-            "double-freed reference)"
-        )
+    kv_cache.pool.check_integrity()
+    kv_cache.holders.check()
+    stale = [owner.key for owner, _ in kv_cache.holders.items()
+             if owner.kind == REQUEST and owner.key not in engine.scheduler.requests]
+    assert not stale, f"finished requests still hold blocks: {stale} (a leaked reference)"

@@ -289,12 +289,3 @@ def _tool_call_text(call: dict[str, Any]) -> str:
         ensure_ascii=False,
     )
     return f"{TOOL_CALL_OPEN}\n{body}\n{TOOL_CALL_CLOSE}"
-
-
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    """How many leading token ids ``a`` and ``b`` share."""
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n

@@ -10,13 +10,12 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 
-from agentd.cache import BlockHash, KVCacheManager, PinKey
+from agentd.cache import KVCacheManager, PinKey
 from agentd.config import EngineConfig
 from agentd.kernels import get_attention_backend
 from agentd.kv_sizing import (
@@ -163,8 +162,7 @@ class LLMEngine:
         self.tails = TailKeeper(self.kv_cache, max(1, self.num_blocks // 8))
         self.retention = RetentionManager(self.kv_cache, self.pins.registry, self.tokenizer)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs,
-                                   config.max_num_batched_tokens, self.max_model_len,
-                                   prefix_extension=self._prefix_extension)
+                                   config.max_num_batched_tokens, self.max_model_len)
         self.runner = ModelRunner(loaded.model, self.num_blocks, config.block_size,
                                   loaded.device, kv_dtype, backend)
         self.sampler = Sampler(loaded.device)
@@ -341,13 +339,6 @@ class LLMEngine:
             if request.spec_token_ids and request.request_id in self.structured:
                 request.spec_token_ids = self.structured.legal_prefix(request.request_id,
                                                                       request.spec_token_ids)
-
-    def _prefix_extension(self, block_hashes: Sequence[BlockHash],
-                          next_tokens: list[int]) -> tuple[int, int] | None:
-        """The longest tail past a request's cached chain: a pin's or a kept conversation's."""
-        found = [self.pins.tail_after(block_hashes, next_tokens),
-                 self.tails.tail_after(block_hashes, next_tokens)]
-        return max((f for f in found if f is not None), key=lambda f: f[1], default=None)
 
     def _last_delta(self, request_id: str) -> StreamDelta:
         """A finished request's last delta; everything kept about it goes."""

@@ -14,10 +14,11 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from agentd.cache import common_prefix_len
+
 MAX_SPAN = 64  # tokens a varying span may take on either side
 RESYNC = 8  # equal tokens that show where the prompts agree again
 MIN_RUN = 32  # equal tokens after the span that make it worth a report (two blocks)
-_CHUNK = 256
 _CONTEXT_CHARS = 40
 
 CLAUDE_CODE_HEADER = ("Claude Code's billing header (x-anthropic-billing-header: ...; cch=...) "
@@ -52,21 +53,6 @@ class SpanCause:
     new_text: str  # the varying span, the new prompt's side
     old_text: str
     before: str  # the text just before the span
-
-
-def common_prefix_len(a: Sequence[int], b: Sequence[int], i: int = 0, j: int = 0) -> int:
-    """How many tokens ``a[i:]`` and ``b[j:]`` share at their start (slices compare in C)."""
-    n = min(len(a) - i, len(b) - j)
-    done = 0
-    while done < n:
-        step = min(_CHUNK, n - done)
-        if a[i + done:i + done + step] == b[j + done:j + done + step]:
-            done += step
-            continue
-        while a[i + done] == b[j + done]:
-            done += 1
-        return done
-    return n
 
 
 def find_span(new: Sequence[int], old: Sequence[int], start: int) -> Span | None:

@@ -23,8 +23,8 @@ import torch
 
 from agentd import pin_snapshots, pin_store
 from agentd.async_engine import AsyncEngine
-from agentd.cache import PinError, PinKey, PinNotFoundError, pin_key
-from agentd.chat import common_prefix_len, render_chat
+from agentd.cache import PinError, PinKey, PinNotFoundError, common_prefix_len, pin_key
+from agentd.chat import render_chat
 from agentd.pin_snapshots import SnapshotError
 from agentd.pin_store import REGISTRY_FILE, PinSpec
 from agentd.pins import SnapshotMismatch, tenant_salt

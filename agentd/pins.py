@@ -12,24 +12,23 @@ from __future__ import annotations
 import re
 import time
 from collections import Counter, deque
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
 from agentd.cache import (
-    BlockHash,
+    PIN_PREFILL,
     KVCacheManager,
+    Owner,
     Pin,
     PinError,
     PinExistsError,
     PinKey,
     PinRegistry,
+    common_prefix_len,
 )
-from agentd.chat import common_prefix_len
 from agentd.near_miss import Span, describe, find_span
-from agentd.near_miss import common_prefix_len as common_len
 from agentd.request import Request
 from agentd.retention import RetainedStat, retained_stats
 from agentd.runner import copy_kv
@@ -182,28 +181,16 @@ class PinManager:
                 continue
             num_full, num_tail = divmod(len(pending.token_ids), self.kv_cache.block_size)
             if num_tail and pending.tail_block is None:
-                pending.tail_block = item.block_table[num_full]
-                self.kv_cache.touch([pending.tail_block])
+                self._hold_tail(item.request_id, pending, item.block_table[num_full])
 
-    def tail_after(self, block_hashes: Sequence[BlockHash],
-                   next_tokens: list[int]) -> tuple[int, int] | None:
-        """``(tail block, tokens)`` of the pin whose full blocks are exactly ``block_hashes`` (a
-        request's cached chain) and whose tail starts ``next_tokens``; the longest match. The
-        scheduler's ``prefix_extension``."""
-        best: tuple[int, int] | None = None
-        for pin in self.registry:
-            if pin.tail_block is None or pin.num_blocks != len(block_hashes) or (
-                    pin.block_hashes[-1] != block_hashes[-1]):
-                continue
-            num_equal = common_prefix_len(pin.tail_token_ids, next_tokens)
-            if num_equal and (best is None or num_equal > best[1]):
-                best = (pin.tail_block, num_equal)
-        return best
+    def _hold_tail(self, request_id: str, pending: PendingPin, block_id: int) -> None:
+        pending.tail_block = block_id
+        self.kv_cache.holders.hold(Owner(PIN_PREFILL, request_id), [block_id])
 
-    def _drop_tail(self, pending: PendingPin) -> None:
-        if pending.tail_block is not None:
-            self.kv_cache.free_blocks([pending.tail_block])
-            pending.tail_block = None
+    def _drop_tail(self, request_id: str, pending: PendingPin) -> None:
+        """The pin holds its tail now, or will never: the prefill's own reference goes."""
+        self.kv_cache.holders.release(Owner(PIN_PREFILL, request_id))
+        pending.tail_block = None
 
     def complete(self, request_id: str, failed: str | bool = False) -> PinResult | None:
         """Called when a pin's prefill request finishes: take references on its blocks."""
@@ -211,18 +198,19 @@ class PinManager:
         if pending is None:
             return None
         if failed:
-            self._drop_tail(pending)
+            self._drop_tail(request_id, pending)
             reason = failed if isinstance(failed, str) else "the prefill was aborted"
             return PinResult(None, RuntimeError(reason), time.monotonic() - pending.started_s,
                              restored=False)
-        return self._register(pending, restored=False)
+        return self._register(request_id, pending, restored=False)
 
-    def _register(self, pending: PendingPin, restored: bool) -> PinResult:
+    def _register(self, request_id: str, pending: PendingPin, restored: bool) -> PinResult:
+        """Pin the prefilled (or restored) prefix; ``request_id`` holds its tail until then."""
         cached = self.kv_cache.find_cached_prefix(pending.token_ids, pending.cache_salt)
         num_blocks = len(pending.token_ids) // self.kv_cache.block_size
         elapsed = time.monotonic() - pending.started_s
         if len(cached.block_ids) < num_blocks:
-            self._drop_tail(pending)
+            self._drop_tail(request_id, pending)
             return PinResult(None, RuntimeError("the pin's blocks were not all cached after its "
                                                 "prefill (is prefix caching disabled?)"),
                              elapsed, restored)
@@ -236,8 +224,9 @@ class PinManager:
                                     tail_token_ids=tail, tail_block=pending.tail_block,
                                     owner=pending.owner, cache_salt=pending.cache_salt)
         except Exception as exc:
-            self._drop_tail(pending)
+            self._drop_tail(request_id, pending)
             return PinResult(None, exc, elapsed, restored)
+        self._drop_tail(request_id, pending)  # the pin took its own reference
         pin.meta["prefill_s" if not restored else "restore_s"] = elapsed
         return PinResult(pin, None, elapsed, restored)
 
@@ -310,14 +299,13 @@ class PinManager:
             layer.index_copy_(0, new_ids.to(layer.device),
                               saved[num_reused:].to(device=layer.device, dtype=layer.dtype))
         if tail_kv is not None:
-            pending.tail_block = table[num_blocks]
+            self._hold_tail(request_id, pending, table[num_blocks])
             for layer, saved in zip(kv_caches, tail_kv, strict=True):
-                layer[pending.tail_block, :, :len(tail)] = saved.to(device=layer.device,
-                                                                    dtype=layer.dtype)
-            self.kv_cache.touch([pending.tail_block])
+                layer[table[num_blocks], :, :len(tail)] = saved.to(device=layer.device,
+                                                                   dtype=layer.dtype)
         self.kv_cache.cache_blocks(request_id, pending.token_ids, num_blocks * block_size,
                                    pending.cache_salt, cached.block_hashes)
-        result = self._register(pending, restored=True)
+        result = self._register(request_id, pending, restored=True)
         self.kv_cache.free(request_id)  # the pin's own references keep the blocks
         return result
 
@@ -363,7 +351,7 @@ class PinManager:
         tokens = request.all_token_ids
         pin_tokens = pin.all_token_ids
         start = num_equal * self.kv_cache.block_size
-        index = start + common_len(tokens, pin_tokens, start, start)
+        index = start + common_prefix_len(tokens, pin_tokens, start, start)
         if index >= pin.num_tokens:
             return  # the request is simply shorter than the pin
         # A short span that varies (a per-request hash, a timestamp), then the pin again: named

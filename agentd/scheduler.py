@@ -4,11 +4,11 @@ Policy: first come, first served, running requests before waiting ones. Each ste
 request gets its next tokens (one when decoding, the rest of its prompt up to the token budget
 when prefilling in chunks); then waiting requests are admitted in order while the token budget
 (``max_num_batched_tokens``), ``max_num_seqs`` and the block pool allow. Admission first asks the
-cache manager for the longest cached prefix, so only the uncached tail is prefilled; a pin's
-partial last block extends that prefix (``prefix_extension``): its slots are copied into the
-request's first new block before the step's forward (a ``SchedulerOutput.kv_copies`` entry, like
-every KV copy the step needs: the cache manager queues them). A waiting
-request whose next ``WAIT_FOR_TOKENS`` uncached tokens a running request is still computing
+cache manager for the longest cached prefix, so only the uncached tail is prefilled; a kept
+partial last block (a pin's, a stored conversation's) extends that prefix: its slots are copied
+into the request's first new block before the step's forward (a ``SchedulerOutput.kv_copies``
+entry, like every KV copy the step needs: the cache manager queues them). A waiting request
+whose next ``WAIT_FOR_TOKENS`` uncached tokens a running request is still computing
 (agents that start together with the same new prompt) waits for them to be cached rather than
 compute them again; the requests behind it are admitted meanwhile.
 
@@ -31,16 +31,11 @@ computed, caches full blocks and frees the blocks of the requests it finished.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from agentd.cache import BlockHash, CachedPrefix, KVCacheManager, KVCopy
 from agentd.request import Request, RequestStatus, check_prompt
-
-# (a request's cached full-block chain, the tokens after it) -> (block, n): the first n of those
-# tokens already have KV in slots 0..n-1 of that block (a pin's partial last block).
-PrefixExtension = Callable[[Sequence[BlockHash], list[int]], "tuple[int, int] | None"]
-
 
 # A waiting request waits for a running prefill that is computing at least this many of its next
 # tokens, instead of computing them too (8 agents started with one new 2,100-token prompt, where
@@ -86,16 +81,13 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, prefix_extension: PrefixExtension | None = None) -> None:
+                 max_model_len: int) -> None:
         """``max_model_len``: the context every request fits in (its prompt is checked when it
-        is added, and the output processor ends it there); no draft runs past it.
-        ``prefix_extension`` extends a cached prefix past its last full block (kept partial
-        blocks: pins' and stored conversations'); None: never."""
+        is added, and the output processor ends it there); no draft runs past it."""
         self.kv_cache = kv_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.prefix_extension = prefix_extension
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -205,12 +197,12 @@ class Scheduler:
                out: SchedulerOutput) -> int | None:
         """Move a waiting request to running; returns its token count or None if no room."""
         extension = None
-        if self.prefix_extension is not None and cached.block_ids:
+        if cached.block_ids:  # a kept partial block may extend the chain (cache/tails.py)
             # at least the last token is always computed, for its logits
-            extension = self.prefix_extension(
+            extension = self.kv_cache.tails.best(
                 cached.block_hashes[:len(cached.block_ids)],
                 request.all_token_ids[cached.num_tokens:request.num_tokens - 1])
-        num_cached = cached.num_tokens + (extension[1] if extension else 0)
+        num_cached = cached.num_tokens + (extension.num_tokens if extension else 0)
         num_new = min(request.num_tokens - num_cached, budget)
         if self.kv_cache.allocate(request.request_id, num_cached + num_new, cached) is None:
             if not self.running:  # an empty engine cannot hold it: it never will
@@ -220,7 +212,7 @@ class Scheduler:
         self.waiting.remove(request)
         if extension is not None:
             first_new = self.kv_cache.block_table(request.request_id)[len(cached.block_ids)]
-            self.kv_cache.copy_slots(extension[0], first_new, extension[1])
+            self.kv_cache.copy_slots(extension.block_id, first_new, extension.num_tokens)
         request.num_computed_tokens = num_cached
         if request.num_cached_tokens is None:
             request.num_cached_tokens = num_cached

@@ -1,36 +1,26 @@
-"""Kept tails: a finished request's partial last block, held so that a conversation continued
-from its exact token ids (a stored Responses API reply and ``previous_response_id``) hits every
-token whose KV was computed, not only its full blocks.
+"""Kept conversation tails: a finished request's partial last block, held so that a conversation
+continued from its exact token ids (a stored Responses API reply and ``previous_response_id``)
+hits every token whose KV was computed, not only its full blocks.
 
-Runs on the engine thread only. Invariants: a kept tail holds exactly one reference on one
-block, whose first ``len(token_ids)`` slots hold the KV of ``token_ids`` right after the cached
-full-block chain ending in ``parent_hash``; it is released when its owner drops it or, past
-``max_tails``, oldest-used first. The full blocks before it stay ordinary cached blocks (LRU):
-a tail whose chain was evicted is simply never matched. A tail is only offered where the
-scheduler asks for it (``tail_after``, the same hook a pin's tail uses), so a hit copies its
-slots into the new request's own block and the kept block is never written again.
+Runs on the engine thread only. Invariants: a kept tail holds exactly one reference on one block
+(its owner in the cache manager's ``holders``, kind ``CONVERSATION``), whose first
+``len(token_ids)`` slots hold the KV of ``token_ids`` right after the cached full-block chain
+ending in ``parent_hash``; it is released when its owner drops it or, past ``max_tails``, least
+recently used first. The full blocks before it stay ordinary cached blocks (LRU): a tail whose
+chain was evicted is simply never matched. It is offered where the scheduler asks for a kept
+partial block (``kv_cache.tails``, the index a pin's tail is in too), so a hit copies its slots
+into the new request's own block and the kept block is never written again.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable
 
-from agentd.cache import BlockHash, KVCacheManager
-from agentd.chat import common_prefix_len
+from agentd.cache import CONVERSATION, KeptTail, KVCacheManager, Owner
 from agentd.request import Request, RequestStatus
 from agentd.scheduler import ScheduledRequest
 
 _KEPT_STATUSES = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
-
-
-@dataclass(frozen=True)
-class KeptTail:
-    block_id: int
-    num_full_blocks: int
-    parent_hash: BlockHash
-    token_ids: tuple[int, ...]
 
 
 class TailKeeper:
@@ -40,15 +30,15 @@ class TailKeeper:
         self.kv_cache = kv_cache
         self.max_tails = max(1, max_tails)
         self._wanted: set[str] = set()
-        self._tails: OrderedDict[str, KeptTail] = OrderedDict()
-        self._by_parent: dict[BlockHash, set[str]] = {}
+        self._kept: set[Owner] = set()
 
     def __len__(self) -> int:
-        return len(self._tails)
+        return len(self._kept)
 
     @property
-    def held_block_ids(self) -> list[int]:
-        return [tail.block_id for tail in self._tails.values()]
+    def request_ids(self) -> list[str]:
+        """The requests whose tails are kept."""
+        return [str(owner.key) for owner in self._kept]
 
     def want(self, request_id: str) -> None:
         """Keep ``request_id``'s tail when it finishes (stopped or cut by length)."""
@@ -71,14 +61,17 @@ class TailKeeper:
                                                   request.cache_salt)
         if len(cached.block_ids) < num_full:
             return
+        owner = Owner(CONVERSATION, request.request_id)
         block_id = item.block_table[num_full]
-        self.kv_cache.touch([block_id])
-        tail = KeptTail(block_id, num_full, cached.block_hashes[num_full - 1],
-                        tuple(token_ids[num_full * block_size:]))
-        self._tails[request.request_id] = tail
-        self._by_parent.setdefault(tail.parent_hash, set()).add(request.request_id)
-        while len(self._tails) > self.max_tails:
-            self.release(next(iter(self._tails)))
+        self.kv_cache.holders.hold(owner, [block_id])
+        self.kv_cache.tails.add(owner, KeptTail(block_id, num_full,
+                                                cached.block_hashes[num_full - 1],
+                                                tuple(token_ids[num_full * block_size:])))
+        self._kept.add(owner)
+        while len(self._kept) > self.max_tails:
+            oldest = self.kv_cache.tails.least_recently_used(self._kept)
+            assert oldest is not None
+            self.release(oldest.key)
 
     def forget(self, request_id: str) -> None:
         """The request ended without a tail to keep (aborted, failed)."""
@@ -86,32 +79,13 @@ class TailKeeper:
 
     def release(self, request_id: str) -> None:
         """Drop ``request_id``'s tail (idempotent): its block returns to the free queue."""
-        tail = self._tails.pop(request_id, None)
-        if tail is None:
+        owner = Owner(CONVERSATION, request_id)
+        if owner not in self._kept:
             return
-        siblings = self._by_parent[tail.parent_hash]
-        siblings.discard(request_id)
-        if not siblings:
-            del self._by_parent[tail.parent_hash]
-        self.kv_cache.free_blocks([tail.block_id])
+        self._kept.discard(owner)
+        self.kv_cache.tails.remove(owner)
+        self.kv_cache.holders.release(owner)
 
     def release_all(self, request_ids: Iterable[str]) -> None:
         for request_id in list(request_ids):
             self.release(request_id)
-
-    def tail_after(self, block_hashes: Sequence[BlockHash],
-                   next_tokens: list[int]) -> tuple[int, int] | None:
-        """``(block, n)`` of the kept tail hung on exactly ``block_hashes`` that shares the most
-        (n) leading tokens with ``next_tokens``; it becomes the most recently used."""
-        best: tuple[int, int, str] | None = None
-        for request_id in self._by_parent.get(block_hashes[-1], ()) if block_hashes else ():
-            tail = self._tails[request_id]
-            if tail.num_full_blocks != len(block_hashes):
-                continue
-            num_equal = common_prefix_len(list(tail.token_ids), next_tokens)
-            if num_equal and (best is None or num_equal > best[1]):
-                best = (tail.block_id, num_equal, request_id)
-        if best is None:
-            return None
-        self._tails.move_to_end(best[2])
-        return best[0], best[1]

@@ -7,6 +7,15 @@ from __future__ import annotations
 
 from .block_pool import BlockPool, FreeBlockQueue, KVBlock, NoFreeBlocksError
 from .hashing import BlockHash, hash_block, hash_blocks
+from .holders import (
+    CONVERSATION,
+    PIN,
+    PIN_PREFILL,
+    REQUEST,
+    RETAINED,
+    BlockHolders,
+    Owner,
+)
 from .kv_cache_manager import CachedPrefix, KVCacheManager, KVCopy
 from .pins import (
     Pin,
@@ -19,16 +28,25 @@ from .pins import (
     pin_key,
 )
 from .retention import RetainedPrefix, RetainedPrefixes
+from .tails import KeptTail, TailHit, TailIndex, common_prefix_len
 
 __all__ = [
+    "CONVERSATION",
+    "PIN",
+    "PIN_PREFILL",
+    "REQUEST",
+    "RETAINED",
     "BlockHash",
+    "BlockHolders",
     "BlockPool",
     "CachedPrefix",
     "FreeBlockQueue",
     "KVBlock",
     "KVCacheManager",
     "KVCopy",
+    "KeptTail",
     "NoFreeBlocksError",
+    "Owner",
     "Pin",
     "PinBudgetError",
     "PinError",
@@ -38,6 +56,9 @@ __all__ = [
     "PinRegistry",
     "RetainedPrefix",
     "RetainedPrefixes",
+    "TailHit",
+    "TailIndex",
+    "common_prefix_len",
     "hash_block",
     "hash_blocks",
     "pin_key",

@@ -1,6 +1,7 @@
 """Per-request block tables on top of the BlockPool, with prefix-cache lookup and registration.
 
-Invariant: each live request holds exactly one reference on every block of its block table;
+Invariant: each live request holds exactly one reference on every block of its block table
+(its owner in ``holders``, the one owner -> blocks map for every kind of reference);
 a request's first ``num_cached_blocks`` blocks are registered in the pool (or lost a hash race to
 an identical block), and ``allocate`` either succeeds entirely or changes nothing. Block hashes
 are the caller's (a request's own chain, extended in place), never kept here. Every KV copy the
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 
 from .block_pool import BlockPool
 from .hashing import BlockHash, hash_blocks
+from .holders import REQUEST, BlockHolders, Owner
+from .tails import TailIndex
 
 
 @dataclass(frozen=True)
@@ -40,12 +43,6 @@ class KVCopy:
     num_slots: int
 
 
-@dataclass
-class _RequestBlocks:
-    block_ids: list[int]
-    num_cached_blocks: int = 0
-
-
 class KVCacheManager:
     """Maps request ids to block tables and shares full blocks between equal prefixes."""
 
@@ -66,7 +63,9 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.extra_key = extra_key
         self.pool = BlockPool(num_blocks, enable_caching=enable_caching)
-        self._requests: dict[str, _RequestBlocks] = {}
+        self.holders = BlockHolders(self.pool)  # every reference's owner: tables, pins, ...
+        self.tails = TailIndex()  # kept partial blocks (pins', conversations'), by their chain
+        self._num_cached_blocks: dict[str, int] = {}  # request id -> blocks registered
         self.move_cached_blocks = move_cached_blocks
         self._copies: list[KVCopy] = []  # queued for the next forward (take_copies)
 
@@ -79,11 +78,11 @@ class KVCacheManager:
         return self.pool.usage
 
     def has_request(self, request_id: str) -> bool:
-        return request_id in self._requests
+        return request_id in self._num_cached_blocks
 
     def block_table(self, request_id: str) -> list[int]:
         """Return a copy of the request's block ids, in token order."""
-        return list(self._requests[request_id].block_ids)
+        return self.holders.blocks(Owner(REQUEST, request_id))
 
     def find_cached_prefix(
         self,
@@ -137,24 +136,24 @@ class KVCacheManager:
             The newly allocated block ids (maybe empty), or None if the pool is too short,
             in which case nothing changes.
         """
-        state = self._requests.get(request_id)
+        owner = Owner(REQUEST, request_id)
+        known = request_id in self._num_cached_blocks
         cached_ids: list[int] = []
-        if state is None and cached is not None:
+        if not known and cached is not None:
             cached_ids = cached.block_ids
             self._check_still_cached(cached)
-        num_held = len(state.block_ids) if state is not None else len(cached_ids)
-        num_new = max(0, -(-num_tokens // self.block_size) - num_held)
+        table = self.holders.view(owner) if known else cached_ids
+        num_new = max(0, -(-num_tokens // self.block_size) - len(table))
         # Touching a cached block that sits in the free queue takes it out of the free pool.
         num_revived = sum(1 for block_id in cached_ids if self.pool.ref_cnt(block_id) == 0)
         if num_new + num_revived > self.pool.num_free:
             return None
-        if state is None:
-            self.pool.touch(cached_ids)
-            state = _RequestBlocks(block_ids=list(cached_ids), num_cached_blocks=len(cached_ids))
-            self._requests[request_id] = state
+        if not known:
+            self.holders.hold(owner, cached_ids)
+            self._num_cached_blocks[request_id] = len(cached_ids)
         new_block_ids: list[int] = []
-        if state.block_ids:
-            last = state.block_ids[-1]
+        if table:
+            last = table[-1]
         elif num_new:  # a table's first block is the queue's head; the rest follow it
             new_block_ids = self.pool.allocate(1)
             last = new_block_ids[0]
@@ -162,7 +161,7 @@ class KVCacheManager:
             last = None
         new_block_ids += self.pool.allocate(num_new - len(new_block_ids), after=last,
                                             move=self._move if self.move_cached_blocks else None)
-        state.block_ids.extend(new_block_ids)
+        self.holders.adopt(owner, new_block_ids)
         return new_block_ids
 
     def _move(self, src: int, dst: int) -> None:
@@ -207,18 +206,18 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return
-        state = self._requests[request_id]
+        table = self.holders.view(Owner(REQUEST, request_id))
         num_full_blocks = min(num_computed_tokens, len(token_ids)) // self.block_size
-        num_full_blocks = min(num_full_blocks, len(state.block_ids))
-        start = state.num_cached_blocks
+        num_full_blocks = min(num_full_blocks, len(table))
+        start = self._num_cached_blocks[request_id]
         if num_full_blocks <= start:
             return
         block_hashes = [] if block_hashes is None else block_hashes
         self._extend_hashes(block_hashes, token_ids, num_full_blocks, cache_salt)
         self.pool.cache_full_blocks(
-            state.block_ids[start:num_full_blocks], block_hashes[start:num_full_blocks]
+            table[start:num_full_blocks], block_hashes[start:num_full_blocks]
         )
-        state.num_cached_blocks = num_full_blocks
+        self._num_cached_blocks[request_id] = num_full_blocks
 
     def _extend_hashes(
         self,
@@ -251,26 +250,23 @@ class KVCacheManager:
         Returns:
             The freed block ids, in table order.
         """
-        state = self._requests[request_id]
         num_kept = -(-num_tokens // self.block_size)
-        if num_kept < state.num_cached_blocks:
+        num_cached_blocks = self._num_cached_blocks[request_id]
+        if num_kept < num_cached_blocks:
             raise ValueError(
                 f"cannot trim request {request_id!r} to {num_tokens} tokens: its first "
-                f"{state.num_cached_blocks} blocks are registered in the prefix cache"
+                f"{num_cached_blocks} blocks are registered in the prefix cache"
             )
-        freed = state.block_ids[num_kept:]
-        del state.block_ids[num_kept:]
-        self.pool.free(reversed(freed))
-        return freed
+        return self.holders.shrink(Owner(REQUEST, request_id), num_kept)
 
     def free(self, request_id: str) -> None:
         """Release the request's blocks, last block first, and forget it; unknown ids: no-op."""
-        state = self._requests.pop(request_id, None)
-        if state is not None:
-            self.pool.free(reversed(state.block_ids))
+        if self._num_cached_blocks.pop(request_id, None) is not None:
+            self.holders.release(Owner(REQUEST, request_id))
 
     def touch(self, block_ids: Iterable[int]) -> None:
-        """Take a reference on each block (a pin holds its prefix this way)."""
+        """Take a reference on each block, owned by no one here (the engine's holders take
+        theirs through ``holders``)."""
         self.pool.touch(block_ids)
 
     def free_blocks(self, block_ids: Sequence[int]) -> None:

@@ -10,7 +10,8 @@ Retention is the same mechanism (design §9): a retained prefix (:mod:`.retentio
 with an expiry, counted in the same budget. Pins come first: a pin is checked against pins
 alone, and when it is added the retained prefixes make room for it, least recently used first;
 a new retained prefix likewise displaces older ones, never a pin.
-Invariants: a pin holds exactly one reference on each of its blocks; the distinct blocks held by
+Invariants: a pin holds exactly one reference on each of its blocks (its owner in the cache
+manager's ``holders``, beside requests' tables and retained prefixes); the distinct blocks held by
 pins and retained prefixes together never exceed ``max_pinned_blocks``; a refused pin or
 retention changes nothing.
 """
@@ -22,8 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from .hashing import BlockHash
+from .holders import PIN, Owner
 from .kv_cache_manager import KVCacheManager
 from .retention import RetainedPrefix, RetainedPrefixes
+from .tails import KeptTail
 
 
 class PinError(Exception):
@@ -116,8 +119,8 @@ class PinRegistry:
     def __init__(self, kv_cache: KVCacheManager, max_pinned_blocks: int) -> None:
         self.kv_cache = kv_cache
         self.max_pinned_blocks = max_pinned_blocks
+        self.holders = kv_cache.holders  # a pin's owner holds its blocks (kind PIN)
         self._pins: dict[PinKey, Pin] = {}
-        self._holders: dict[int, int] = {}  # block id -> number of pins holding it
         self.retained = RetainedPrefixes(kv_cache)
         self.num_retained_displaced = 0  # retained prefixes decayed early to fit the budget
 
@@ -137,17 +140,17 @@ class PinRegistry:
         return self._pins[key]
 
     def holds(self, block_id: int) -> bool:
-        return block_id in self._holders
+        return self.holders.holds(PIN, block_id)
 
     @property
     def num_pinned_blocks(self) -> int:
         """Distinct blocks held by pins (pins sharing a prefix share its blocks)."""
-        return len(self._holders)
+        return self.holders.num_distinct(PIN)
 
     @property
     def num_retained_blocks(self) -> int:
         """Distinct blocks held by retained prefixes and by no pin."""
-        return sum(1 for b in self.retained.block_ids() if b not in self._holders)
+        return sum(1 for b in self.retained.block_ids() if not self.holds(b))
 
     @property
     def num_held_blocks(self) -> int:
@@ -167,7 +170,7 @@ class PinRegistry:
         if key in self._pins:
             raise PinExistsError(f"a pin named {key.name!r} already exists; unpin it first")
         if block_ids is not None:
-            num_blocks = len({b for b in block_ids if b not in self._holders})
+            num_blocks = len({b for b in block_ids if not self.holds(b)})
         num_left = self.max_pinned_blocks - self.num_pinned_blocks
         if num_blocks > num_left:
             raise PinBudgetError(key.name, num_blocks, num_left, self.max_pinned_blocks)
@@ -181,8 +184,8 @@ class PinRegistry:
         space; ``block_hashes`` were computed with ``cache_salt``.
 
         ``tail_block`` holds the KV of ``tail_token_ids`` (fewer than a block), the tokens that
-        follow; the caller took a reference on it, which the pin adopts (and drops on removal).
-        On a refusal the reference stays the caller's.
+        follow; the pin takes a reference on it too (the caller drops its own) and indexes it in
+        ``kv_cache.tails``, so that requests hit it.
 
         Returns:
             The new pin. Raises PinError (nothing changes) on a taken name or budget overrun.
@@ -198,9 +201,11 @@ class PinRegistry:
                   now_s, meta=dict(meta or {}), tail_token_ids=list(tail_token_ids),
                   tail_block=tail_block, owner=owner, cache_salt=cache_salt)
         self.check_can_add(pin.key, pin.held_block_ids)
-        self.kv_cache.touch(block_ids)
-        for block_id in pin.held_block_ids:
-            self._holders[block_id] = self._holders.get(block_id, 0) + 1
+        self.holders.hold(Owner(PIN, pin.key), pin.held_block_ids)
+        if tail_block is not None:
+            self.kv_cache.tails.add(Owner(PIN, pin.key), KeptTail(
+                tail_block, pin.num_blocks, pin.block_hashes[-1], tuple(tail_token_ids)),
+                preferred=True)
         self._pins[pin.key] = pin
         self._fit_retention(set())
         return pin
@@ -210,13 +215,8 @@ class PinRegistry:
         blocks, its tail block a free one."""
         pin = self.get(key)
         del self._pins[pin.key]
-        if pin.tail_block is not None:
-            self.kv_cache.free_blocks([pin.tail_block])
-        self.kv_cache.free_blocks(pin.block_ids)
-        for block_id in pin.held_block_ids:
-            self._holders[block_id] -= 1
-            if not self._holders[block_id]:
-                del self._holders[block_id]
+        self.kv_cache.tails.remove(Owner(PIN, pin.key))
+        self.holders.release(Owner(PIN, pin.key))  # the tail block first, then the prefix's
         return pin
 
     def match(self, block_hashes: Sequence[BlockHash]) -> Pin | None:
@@ -259,7 +259,7 @@ class PinRegistry:
         if existing is not None:
             existing.refresh(now_s, ttl_s)
             return existing
-        beyond_pins = {b for b in block_ids if b not in self._holders}
+        beyond_pins = {b for b in block_ids if not self.holds(b)}
         if self.num_pinned_blocks + len(beyond_pins) > self.max_pinned_blocks:
             return None
         self._fit_retention(beyond_pins)
@@ -277,7 +277,7 @@ class PinRegistry:
         that nothing holds yet fit the budget too (pins alone always fit: they were checked on
         their own, and so was ``wanted`` beside them)."""
         while self.num_held_blocks + sum(1 for b in wanted if not self.retained.holds(b) and (
-                b not in self._holders)) > self.max_pinned_blocks:
+                not self.holds(b))) > self.max_pinned_blocks:
             oldest = self.retained.oldest()
             if oldest is None:
                 return

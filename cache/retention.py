@@ -6,8 +6,8 @@ retain = touch, decay = free. It is found by the hash of its last block (the cha
 the whole prefix and its cache salt, so its tenant too); retaining the same prefix again, or a
 request that hits it whole, refreshes its expiry. The budget it shares with pins is enforced by
 :class:`agentd.cache.PinRegistry`, which owns one of these.
-Invariants: a retained prefix holds exactly one reference on each of its blocks; ``_holders``
-counts, per block, the retained prefixes holding it.
+Invariants: a retained prefix holds exactly one reference on each of its blocks (its owner in the
+cache manager's ``holders``, kind ``RETAINED``).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from .hashing import BlockHash
+from .holders import RETAINED, Owner
 from .kv_cache_manager import KVCacheManager
 
 
@@ -54,8 +55,8 @@ class RetainedPrefixes:
 
     def __init__(self, kv_cache: KVCacheManager) -> None:
         self.kv_cache = kv_cache
+        self.holders = kv_cache.holders
         self._prefixes: dict[BlockHash, RetainedPrefix] = {}
-        self._holders: dict[int, int] = {}  # block id -> number of retained prefixes holding it
 
     def __iter__(self) -> Iterator[RetainedPrefix]:
         return iter(list(self._prefixes.values()))
@@ -68,26 +69,20 @@ class RetainedPrefixes:
 
     def block_ids(self) -> Iterator[int]:
         """Distinct blocks held by retained prefixes."""
-        return iter(self._holders)
+        return iter(self.holders.distinct(RETAINED))
 
     def holds(self, block_id: int) -> bool:
-        return block_id in self._holders
+        return self.holders.holds(RETAINED, block_id)
 
     def add(self, prefix: RetainedPrefix) -> None:
         """Hold ``prefix``'s blocks (the caller checked the budget and that its key is new)."""
-        self.kv_cache.touch(prefix.block_ids)
-        for block_id in prefix.block_ids:
-            self._holders[block_id] = self._holders.get(block_id, 0) + 1
+        self.holders.hold(Owner(RETAINED, prefix.key), prefix.block_ids)
         self._prefixes[prefix.key] = prefix
 
     def remove(self, key: BlockHash) -> RetainedPrefix:
         """Decay: drop the prefix's references; its blocks become ordinary cached (LRU) ones."""
         prefix = self._prefixes.pop(key)
-        self.kv_cache.free_blocks(prefix.block_ids)
-        for block_id in prefix.block_ids:
-            self._holders[block_id] -= 1
-            if not self._holders[block_id]:
-                del self._holders[block_id]
+        self.holders.release(Owner(RETAINED, key))
         return prefix
 
     def oldest(self) -> RetainedPrefix | None:

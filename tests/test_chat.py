@@ -14,9 +14,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from agentd.cache import common_prefix_len
 from agentd.chat import (
     canonical_tools,
-    common_prefix_len,
     render_chat,
     template_supports_tools,
     tools_json,

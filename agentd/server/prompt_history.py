@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from agentd.near_miss import common_prefix_len, describe, find_span
+from agentd.cache import common_prefix_len
+from agentd.near_miss import describe, find_span
 
 MAX_GROUPS = 128
 PER_GROUP = 4

@@ -50,7 +50,7 @@ def test_kept_tail_makes_the_continuation_hit_token_exactly(tiny_model_factory):
         last, _ = await run(engine, prompt + [7] + plain_reply + [9, 9])
         assert last.num_cached_tokens == (len(prompt) + 1 + 5 - 1) // 16 * 16
         engine.release_tails([f"never-{i}" for i in range(3)])  # unknown ids: no-op
-        await engine.call(lambda e: e.tails.release_all(list(e.tails._tails)))
+        await engine.call(lambda e: e.tails.release_all(e.tails.request_ids))
         assert await engine.call(lambda e: len(e.tails)) == 0
         await engine.call(_check_references)
         assert await engine.call(lambda e: e.stats().num_blocks_used) == 0

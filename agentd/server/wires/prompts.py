@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from typing import Any
 
-from agentd.chat import common_prefix_len, render_chat
+from agentd.cache import common_prefix_len
+from agentd.chat import render_chat
 from agentd.server.protocol import RequestValidationError
 
 Messages = list[dict[str, Any]]

@@ -11,6 +11,7 @@ flight; past that ``add_request`` refuses at once with ``EngineBusyError``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -26,8 +27,7 @@ from agentd.config import EngineConfig
 from agentd.engine import EngineStats, LLMEngine
 from agentd.outputs import StreamDelta
 from agentd.pins import PinResult, PinSummary
-from agentd.retention import HoldRequest
-from agentd.sampling_params import SamplingParams
+from agentd.request import EngineRequest, check_prompt
 from agentd.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger("agentd")
@@ -119,12 +119,19 @@ class RequestStream:
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+        self.engine = engine  # touched on the engine thread only (``call``)
+        # What the server may read of the engine from any thread: fixed once it is built.
         self.tokenizer = engine.tokenizer
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
         self.max_num_seqs = engine.config.max_num_seqs
-        self.vocab_size = engine.loaded.model.dims.vocab_size
+        self.block_size = engine.config.block_size
+        self.vocab_size = engine.vocab_size
+        self.eos_token_ids = engine.loaded.eos_token_ids
+        self.fingerprint = engine.fingerprint
+        self.kv_plan = engine.kv_plan
+        self.load_s = engine.load_s
+        self.compute_report = engine.loaded.compute_report
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
@@ -222,34 +229,30 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive()
 
     # --- requests --------------------------------------------------------------------------
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None, cache_salt: str | None = None,
-                    max_in_flight: int | None = None, grammar: Any = None,
-                    keep_tail: bool = False,
-                    retention: HoldRequest | None = None) -> RequestStream:
-        """Queue a request and return its stream of deltas. ``grammar`` is its compiled output
-        constraint (``compile_grammar``); a constrained request must bring it, so the engine
-        thread never compiles. ``retention``: hold its prefix once computed.
+    def add_request(self, request: EngineRequest,
+                    max_in_flight: int | None = None) -> RequestStream:
+        """Queue a request and return its stream of deltas. A constrained request must bring
+        its compiled ``grammar`` (``compile_grammar``), so the engine thread never compiles.
 
-        Raises at once, with nothing queued: ValueError for an empty or too-long prompt,
+        Raises at once, with nothing queued: ValueError for a prompt ``check_prompt`` refuses,
         EngineBusyError when ``max_in_flight`` requests are in flight already, EngineDeadError
-        when the engine is not running. ``keep_tail``: see ``LLMEngine.add_request``.
+        when the engine is not running.
         """
         self._check_alive()
-        self._validate(prompt_token_ids)
-        if params.structured_outputs is not None and grammar is None:
+        check_prompt(request.prompt_token_ids, self.max_model_len, self.vocab_size)
+        if request.params.structured_outputs is not None and request.grammar is None:
             raise ValueError("a constrained request needs its grammar: await compile_grammar()")
         if max_in_flight is not None and len(self._streams) >= max_in_flight:
             raise EngineBusyError(
                 f"the server is busy: {len(self._streams)} requests are in flight (the limit "
                 f"is {max_in_flight}); retry shortly"
             )
-        stream = self._open_stream(request_id or f"req-{uuid.uuid4().hex}")
+        stream = self._open_stream(request.request_id or f"req-{uuid.uuid4().hex}")
+        request = dataclasses.replace(request, request_id=stream.request_id)
 
         def add() -> None:
             try:
-                self.engine.add_request(prompt_token_ids, params, stream.request_id, cache_salt,
-                                        grammar, keep_tail, retention)
+                self.engine.add_request(request)
             except Exception as exc:  # validation raced with a config detail: report it
                 self._post(stream.request_id, exc)
 
@@ -278,15 +281,6 @@ class AsyncEngine:
         self._streams.pop(request_id, None)
         if abort:
             self.abort(request_id)
-
-    def _validate(self, prompt_token_ids: list[int]) -> None:
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(prompt_token_ids)} tokens but this model's context "
-                f"(max_model_len) is {self.max_model_len} tokens, which must also hold the output"
-            )
 
     async def run_pin(self, name: str, token_ids: list[int], ttl_s: float | None,
                       meta: dict[str, Any], owner: str | None = None,

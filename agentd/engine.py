@@ -11,7 +11,7 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -35,8 +35,14 @@ from agentd.model.llama import ModelDims
 from agentd.output_processor import OutputProcessor
 from agentd.outputs import StreamDelta
 from agentd.pins import PendingPin, PinManager, PinResult
-from agentd.request import Request, RequestStatus, check_prompt
-from agentd.retention import HoldRequest, Retained, RetentionManager
+from agentd.request import (
+    EngineRequest,
+    Request,
+    RequestStatus,
+    RetentionRequest,
+    check_prompt,
+)
+from agentd.retention import Retained, RetentionManager
 from agentd.runner import ModelRunner
 from agentd.sampler import Sampler
 from agentd.sampling_params import SamplingParams
@@ -178,37 +184,36 @@ class LLMEngine:
         self._totals = {"prompt": 0, "generation": 0, "finished": 0, "steps": 0, "model": 0}
         _log_plan(self.kv_plan, backend.name)
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    request_id: str | None = None, cache_salt: str | None = None,
-                    grammar: Any = None, keep_tail: bool = False,
-                    retention: HoldRequest | None = None) -> str:
-        """Queue a request. Raises ValueError for an empty or too-long prompt, GrammarError for
-        a constraint that does not compile (nothing changes either way). ``keep_tail``: hold its
-        partial last block once it finishes, until ``tails.release(request_id)``.
+    def add_request(self, request: EngineRequest) -> str:
+        """Queue a request; returns its id (``request.request_id``, or one made here).
 
-        ``grammar`` is ``params.structured_outputs`` compiled by ``self.grammars`` already (the
-        server compiles off this thread); without it, the constraint is compiled here.
-        ``retention``: hold the prompt's prefix once computed (its deltas report
-        ``num_retained_tokens``).
+        Raises ValueError for a prompt ``check_prompt`` refuses or an id in use, GrammarError
+        for a constraint that does not compile (nothing changes either way). A request without
+        its compiled ``grammar`` gets its constraint compiled here. Its ``retention`` is held
+        once its prompt is computed (its deltas report ``num_retained_tokens``); with
+        ``keep_tail`` its partial last block is held once it finishes, until
+        ``tails.release(request_id)``.
         """
-        request_id = request_id or f"req-{next(self._ids)}"
+        request_id = request.request_id or f"req-{next(self._ids)}"
         if request_id in self.processor:
             raise ValueError(f"request id {request_id!r} is already in use")
-        check_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
+        check_prompt(request.prompt_token_ids, self.max_model_len, self.vocab_size)
+        params = request.params
+        grammar = request.grammar
         if params.structured_outputs is not None and grammar is None:
             grammar = self.grammars.compile(params.structured_outputs)
-        room = self.max_model_len - len(prompt_token_ids)
+        room = self.max_model_len - len(request.prompt_token_ids)
         max_output = room if params.max_tokens is None else min(params.max_tokens, room)
-        request = Request(request_id, list(prompt_token_ids), params, max(max_output, 1),
-                          cache_salt)
-        self.scheduler.add_request(request)
-        self.processor.add(request)
+        running = Request(request_id, list(request.prompt_token_ids), params,
+                          max(max_output, 1), request.cache_salt, request.owner)
+        self.scheduler.add_request(running)
+        self.processor.add(running)
         if grammar is not None:
             self.structured.add(request_id, grammar)
-        if retention is not None:
-            self.retention.track(request_id, retention)
-        self._totals["prompt"] += len(prompt_token_ids)
-        if keep_tail:
+        if request.retention is not None:
+            self.retention.track(request_id, request.retention)
+        self._totals["prompt"] += running.num_prompt_tokens
+        if request.keep_tail:
             self.tails.want(request_id)
         return request_id
 
@@ -228,7 +233,7 @@ class LLMEngine:
         self.pins.check_can_add(PinKey(owner, name), token_ids, cache_salt)
         request_id = request_id or f"pin-{name}-{next(self._ids)}"
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-        self.add_request(token_ids, params, request_id, cache_salt)
+        self.add_request(EngineRequest(token_ids, params, request_id, cache_salt, owner))
         self.pins.pending[request_id] = PendingPin(name, list(token_ids), ttl_s, dict(meta or {}),
                                                    time.monotonic(), owner=owner,
                                                    cache_salt=cache_salt)
@@ -257,11 +262,11 @@ class LLMEngine:
         """Drop a pin; its blocks become ordinary cached blocks. Raises PinNotFoundError."""
         self.pins.registry.remove(key)
 
-    def retain(self, token_ids: list[int], hold: HoldRequest,
-               cache_salt: str | None = None) -> Retained | None:
-        """Hold the cached whole blocks of ``token_ids[:hold.num_tokens]`` now (see
-        ``RetentionManager.retain``); None when nothing could be held."""
-        return self.retention.retain(token_ids, hold, cache_salt)
+    def retain(self, token_ids: list[int], hold: RetentionRequest, cache_salt: str | None = None,
+               owner: str | None = None) -> Retained | None:
+        """Hold the cached whole blocks of ``token_ids[:hold.num_tokens]`` now, for ``owner``
+        (see ``RetentionManager.retain``); None when nothing could be held."""
+        return self.retention.retain(token_ids, hold, cache_salt, owner)
 
     def expire_pins(self) -> None:
         now = time.monotonic()

@@ -12,6 +12,7 @@ from typing import Any
 from agentd.config import EngineConfig, SpeculativeConfig, parse_size
 from agentd.engine import LLMEngine
 from agentd.outputs import RequestOutput
+from agentd.request import EngineRequest
 from agentd.sampling_params import SamplingParams
 
 PromptLike = str | list[int]
@@ -75,7 +76,7 @@ class LLM:
 
     def _run(self, token_lists: list[list[int]], params: SamplingParams) -> list[RequestOutput]:
         engine = self.engine
-        ids = [engine.add_request(tokens, params) for tokens in token_lists]
+        ids = [engine.add_request(EngineRequest(tokens, params)) for tokens in token_lists]
         results: dict[str, RequestOutput] = {
             rid: RequestOutput(rid, tokens, "", [], 0, None)
             for rid, tokens in zip(ids, token_lists, strict=True)

@@ -66,12 +66,12 @@ class PinService:
 
     @property
     def block_size(self) -> int:
-        return self.engine.engine.config.block_size
+        return self.engine.block_size
 
     def _snapshot_path(self, key: PinKey) -> Path | None:
         if self.state_dir is None:
             return None
-        return pin_snapshots.snapshot_path(self.state_dir, self.engine.engine.fingerprint,
+        return pin_snapshots.snapshot_path(self.state_dir, self.engine.fingerprint,
                                        self.block_size, key.owner, key.name)
 
     # --- operations ------------------------------------------------------------------------
@@ -287,7 +287,7 @@ class PinService:
     def _remove_orphans(self) -> None:
         assert self.state_dir is not None
         keep = [self._snapshot_path(key) for key in [*self.specs, *self.unrestored]]
-        current = pin_snapshots.snapshot_dir(self.state_dir, self.engine.engine.fingerprint,
+        current = pin_snapshots.snapshot_dir(self.state_dir, self.engine.fingerprint,
                                          self.block_size)
         try:
             removed = pin_snapshots.remove_orphans(self.state_dir, current,

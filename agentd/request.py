@@ -9,8 +9,37 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from agentd.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class RetentionRequest:
+    """Hold the prompt's first ``num_tokens`` tokens (whole blocks of them) for ``ttl_s`` once
+    computed: cache control (Anthropic ``cache_control``, OpenAI ``prompt_cache_*``)."""
+
+    num_tokens: int
+    ttl_s: float
+
+    def __post_init__(self) -> None:
+        if self.num_tokens < 0 or not self.ttl_s > 0:
+            raise ValueError("a hold covers >= 0 tokens for a positive number of seconds")
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One request as a wire's plan hands it to the engine, whole (design §9's one internal
+    request): ``AsyncEngine.add_request`` and ``LLMEngine.add_request`` take it as it is."""
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    request_id: str | None = None  # None: the engine names it
+    cache_salt: str | None = None  # mixed into its first block hash (a tenant's, a client's)
+    owner: str | None = None  # the tenant: what it retains is held in its name
+    retention: RetentionRequest | None = None  # hold the prompt's prefix once computed
+    keep_tail: bool = False  # a stored response: keep its last partial block once finished
+    grammar: Any = None  # ``params.structured_outputs`` compiled, off the engine thread
 
 
 def check_prompt(prompt_token_ids: list[int], max_model_len: int,
@@ -48,6 +77,7 @@ class Request:
     params: SamplingParams
     max_output_tokens: int
     cache_salt: str | None = None
+    owner: str | None = None  # the tenant it runs for
     arrival_time_s: float = field(default_factory=time.monotonic)
     all_token_ids: list[int] = field(init=False)
     num_computed_tokens: int = 0

@@ -16,23 +16,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from agentd.cache import BlockHash, KVCacheManager, PinRegistry
-from agentd.request import Request
+from agentd.request import Request, RetentionRequest
 
 _PREVIEW_TOKENS = 12
 _PREVIEW_CHARS = 48
-
-
-@dataclass(frozen=True)
-class HoldRequest:
-    """Hold the prompt's first ``num_tokens`` tokens (whole blocks of them) for ``ttl_s``."""
-
-    num_tokens: int
-    ttl_s: float
-    owner: str | None = None  # the tenant asking (stats show it; its salt is in the hashes)
-
-    def __post_init__(self) -> None:
-        if self.num_tokens < 0 or not self.ttl_s > 0:
-            raise ValueError("a hold covers >= 0 tokens for a positive number of seconds")
 
 
 @dataclass(frozen=True)
@@ -66,10 +53,10 @@ class RetentionManager:
         self.kv_cache = kv_cache
         self.registry = registry
         self.tokenizer = tokenizer
-        self.pending: dict[str, HoldRequest] = {}  # request id -> its hold, until retained
+        self.pending: dict[str, RetentionRequest] = {}  # request id -> its hold, until held
         self.num_expired = 0
 
-    def track(self, request_id: str, hold: HoldRequest) -> None:
+    def track(self, request_id: str, hold: RetentionRequest) -> None:
         """Retain ``hold`` of the request once its prefix is computed (``after_compute``)."""
         self.pending[request_id] = hold
 
@@ -84,12 +71,14 @@ class RetentionManager:
                                                             request.num_prompt_tokens):
             return None
         del self.pending[request.request_id]
-        return self.retain(request.prompt_token_ids, hold, request.cache_salt,
+        return self.retain(request.prompt_token_ids, hold, request.cache_salt, request.owner,
                            request.prompt_block_hashes(self.kv_cache.block_size))
 
-    def retain(self, token_ids: Sequence[int], hold: HoldRequest, cache_salt: str | None,
+    def retain(self, token_ids: Sequence[int], hold: RetentionRequest, cache_salt: str | None,
+               owner: str | None = None,
                block_hashes: list[BlockHash] | None = None) -> Retained | None:
-        """Hold the cached whole blocks of ``token_ids[:hold.num_tokens]`` for ``hold.ttl_s``.
+        """Hold the cached whole blocks of ``token_ids[:hold.num_tokens]`` for ``hold.ttl_s``,
+        in ``owner``'s name (the tenant: stats show it; its salt is in the hashes).
 
         Returns:
             What is held now (maybe fewer blocks than asked, if fewer are cached), or None when
@@ -109,7 +98,7 @@ class RetentionManager:
         now = time.monotonic()
         existing = self.registry.retained.get(cached.block_hashes[num_held - 1])
         prefix = self.registry.retain(cached.block_ids, cached.block_hashes[:num_held], end,
-                                      hold.ttl_s, now, time.time(), hold.owner,
+                                      hold.ttl_s, now, time.time(), owner,
                                       "" if existing else self._preview(token_ids, end))
         if prefix is None:
             return None

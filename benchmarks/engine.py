@@ -82,10 +82,12 @@ def chat_prompts(tokenizer, turns: list[str]) -> list[list[int]]:
 
 
 def run_ttft(engine, prompt_ids: list[int]) -> TtftResult:
+    from agentd.request import EngineRequest
     from agentd.sampling_params import SamplingParams
 
     start = time.perf_counter()
-    request_id = engine.add_request(prompt_ids, SamplingParams(temperature=0.0, max_tokens=1))
+    request_id = engine.add_request(
+        EngineRequest(prompt_ids, SamplingParams(temperature=0.0, max_tokens=1)))
     num_cached = None
     while engine.has_unfinished_requests():
         for delta in engine.step():
@@ -96,12 +98,13 @@ def run_ttft(engine, prompt_ids: list[int]) -> TtftResult:
 
 def run_engine(engine, prompts: list[list[int]], num_tokens: int) -> RunTimes:
     """Run ``prompts`` as one batch, greedy, ``num_tokens`` each; time every step."""
+    from agentd.request import EngineRequest
     from agentd.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
     start = last = time.perf_counter()
     for prompt in prompts:
-        engine.add_request(prompt, params)
+        engine.add_request(EngineRequest(prompt, params))
     started: set[str] = set()
     decode_steps = []
     num_output = 0

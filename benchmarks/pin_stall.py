@@ -36,6 +36,7 @@ from agentd.cache import PinKey
 from agentd.chat import render_chat
 from agentd.config import EngineConfig, parse_size
 from agentd.pin_service import PinService, PinSpec
+from agentd.request import EngineRequest
 from agentd.sampling_params import SamplingParams
 
 NUM_STREAMS = 8
@@ -87,7 +88,7 @@ async def keep_decoding(engine: AsyncEngine, index: int, stop: asyncio.Event) ->
     while not stop.is_set():
         prompt = engine.tokenizer(f"Count from {index} to a thousand, one per line:").input_ids
         params = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
-        async for _ in engine.add_request(prompt, params):
+        async for _ in engine.add_request(EngineRequest(prompt, params)):
             if stop.is_set():
                 break
 
@@ -146,7 +147,7 @@ async def run(args: argparse.Namespace) -> None:
         prefix = render_chat(engine.tokenizer, [{"role": "system", "content": workload.system},
                                                 {"role": "user", "content": "hi"}],
                              workload.tools, None).prompt_token_ids
-        async for _ in engine.add_request(prefix, SamplingParams(max_tokens=1)):
+        async for _ in engine.add_request(EngineRequest(prefix, SamplingParams(max_tokens=1))):
             pass  # the prefix is cached, as agents already send it
         clock = StepClock(engine)
         stop = asyncio.Event()

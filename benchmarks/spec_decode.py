@@ -39,6 +39,7 @@ from agentd.chat import render_chat
 from agentd.config import EngineConfig, SpeculativeConfig
 from agentd.engine import LLMEngine
 from agentd.model.build import load_model
+from agentd.request import EngineRequest
 from agentd.sampling_params import SamplingParams
 
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16",
@@ -84,7 +85,8 @@ def default_threads() -> int:
 def run_one(engine: LLMEngine, prompt_ids: list[int], max_tokens: int) -> tuple[list[int], Timing]:
     before = engine.stats()
     start = time.perf_counter()
-    engine.add_request(prompt_ids, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    engine.add_request(EngineRequest(prompt_ids,
+                                     SamplingParams(temperature=0.0, max_tokens=max_tokens)))
     tokens: list[int] = []
     first = last = start
     while engine.has_unfinished_requests():

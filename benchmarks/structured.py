@@ -29,6 +29,7 @@ import torch
 
 from agentd.chat import render_chat
 from agentd.llm import LLM
+from agentd.request import EngineRequest
 from agentd.sampling_params import SamplingParams
 from agentd.structured.compiler import GrammarCompiler
 from agentd.structured.params import FunctionSpec, StructuredOutputsParams, ToolCallsSpec
@@ -93,7 +94,7 @@ class StepClock:
         """Run ``requests`` together; returns (output tokens, seconds)."""
         engine = self.engine
         for prompt, params in requests:
-            engine.add_request(prompt, params)
+            engine.add_request(EngineRequest(prompt, params))
         num_tokens, start = 0, time.perf_counter()
         while engine.has_unfinished_requests():
             rows = engine.scheduler.num_running

@@ -244,7 +244,7 @@ def engine_config(params: dict[str, Any]) -> EngineConfig:
 
 
 def server_settings(params: dict[str, Any], state_dir: Path | None = None) -> Any:
-    from agentd.server.state import ServerSettings
+    from agentd.server.settings import ServerSettings
 
     try:
         return ServerSettings(

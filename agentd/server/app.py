@@ -23,15 +23,17 @@ from litestar.openapi.plugins import ScalarRenderPlugin
 
 from agentd import __version__
 from agentd.config import EngineConfig
-from agentd.server.errors import EXCEPTION_HANDLERS
+from agentd.server.errors import exception_handlers
 from agentd.server.local_token import TOKEN_HEADER
 from agentd.server.routes_admin import AdminController, health, metrics
 from agentd.server.routes_anthropic import MessagesController
 from agentd.server.routes_openai import OpenAIController
 from agentd.server.routes_pins import PinsController
 from agentd.server.routes_responses import ResponsesController
-from agentd.server.state import ServerSettings, ServerState, count_arrivals
+from agentd.server.settings import ServerSettings
+from agentd.server.state import ServerState, count_arrivals
 from agentd.server.web_guard import web_guard
+from agentd.server.wires.anthropic_out import anthropic_error_body
 
 if TYPE_CHECKING:
     from agentd.async_engine import AsyncEngine
@@ -78,7 +80,10 @@ def create_app(config: EngineConfig, *, engine: AsyncEngine | None = None,
         # web_guard first: a request arrives (count_arrivals) once its body is whole
         middleware=[partial(web_guard, server=server), partial(count_arrivals, server=server)],
         cors_config=_cors(settings.cors_origins),
-        exception_handlers=EXCEPTION_HANDLERS,
+        # OpenAI's shape, but for the wires whose controllers bring their own; a path no route
+        # takes answers in the shape of the wire it is under
+        exception_handlers=exception_handlers(
+            unrouted={MessagesController.path: anthropic_error_body}),
         lifespan=[lifespan],
         state=State({"agentd": server}),
         request_max_body_size=settings.max_request_body_bytes,

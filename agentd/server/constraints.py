@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from agentd.async_engine import AsyncEngine
-from agentd.server.errors import APIError
-from agentd.server.protocol import ConstraintFields, RequestValidationError
+from agentd.server.errors import APIError, RequestValidationError
+from agentd.server.wires.openai_types import ConstraintFields
 from agentd.structured.params import (
     GrammarError,
     StructuredOutputsParams,

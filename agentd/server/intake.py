@@ -24,8 +24,8 @@ from typing import Any
 
 import msgspec
 
-from agentd.server.protocol import ChatCompletionRequest, CompletionRequest
-from agentd.server.protocol import RequestValidationError as _Invalid
+from agentd.server.errors import RequestValidationError as _Invalid
+from agentd.server.wires.openai_types import ChatCompletionRequest, CompletionRequest
 
 logger = logging.getLogger("agentd.server")
 _NORMALIZER_SLACK = 4  # NFC and the like merge at most a few code points into one

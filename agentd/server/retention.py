@@ -4,8 +4,8 @@ reports.
 
 The wires (Anthropic ``cache_control``, OpenAI ``prompt_cache_options`` /
 ``prompt_cache_breakpoint`` / ``prompt_cache_retention``) parse and validate those fields and
-put one ``RetentionRequest`` on the plan; ``submit`` hands it to the engine, which holds those
-blocks like a pin with a TTL (:mod:`agentd.retention`), in the pin budget, refreshed on a hit.
+put one ``RetentionRequest`` (``agentd.request``) on the plan's engine request, which the engine
+holds like a pin with a TTL (:mod:`agentd.retention`), in the pin budget, refreshed on a hit.
 
 Invariants: a TTL a wire does not define is a 400 naming the field, before anything runs; the
 wires never read the cache themselves: every figure they report about it comes from
@@ -15,28 +15,17 @@ and now retains, so read + creation never exceed the prompt.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from agentd.outputs import StreamDelta
-from agentd.sampling_params import SamplingParams
+from agentd.request import RetentionRequest
 from agentd.server.errors import APIError
-from agentd.server.serving import collect, submit
 
 # The TTLs each wire defines, in seconds.
 ANTHROPIC_TTLS = {"5m": 300.0, "1h": 3600.0}
 OPENAI_BREAKPOINT_TTLS = {"30m": 1800.0, "12h": 43200.0}  # prompt_cache_options, breakpoints
 # prompt_cache_retention: "in_memory" is the automatic prefix cache (LRU) every request gets
 OPENAI_RETENTION_TTLS: dict[str, float | None] = {"in_memory": None, "24h": 86400.0}
-
-
-@dataclass(frozen=True)
-class RetentionRequest:
-    """Hold the prompt's first ``num_tokens`` tokens (its last breakpoint) for ``ttl_s``."""
-
-    num_tokens: int
-    ttl_s: float
 
 
 class CacheUsage(NamedTuple):
@@ -85,29 +74,3 @@ def cache_usage(delta: StreamDelta, plan: Any) -> CacheUsage:
     if getattr(plan, "retention", None) is None:
         return CacheUsage(read=read, creation=0)
     return CacheUsage(read=read, creation=max(0, delta.num_retained_tokens - read))
-
-
-def prewarm_params() -> SamplingParams:
-    """A prefill that generates nothing the client sees: one greedy token, dropped."""
-    return SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-
-
-async def prewarm(engine: Any, prompt_token_ids: list[int],
-                  retention: RetentionRequest | None, request_id: str,
-                  cache_salt: str | None = None, owner: str | None = None,
-                  max_in_flight: int | None = None) -> StreamDelta:
-    """``max_tokens: 0``: prefill the prompt and retain ``retention`` of it (held for ``owner``,
-    the tenant, hashed with ``cache_salt``), generate nothing.
-
-    Returns:
-        The request's last delta with no output (``num_cached_tokens``,
-        ``num_retained_tokens`` for ``cache_usage``). Raises APIError as ``submit`` does; a
-        cancelled pre-warm aborts its prefill.
-    """
-    deltas = submit(engine, prompt_token_ids, prewarm_params(), request_id, cache_salt,
-                    max_in_flight, retention=retention, owner=owner)
-    try:
-        got = await collect(deltas)
-    finally:
-        await deltas.aclose()
-    return dataclasses.replace(got.last, text="", token_ids=[], num_output_tokens=0)

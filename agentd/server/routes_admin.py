@@ -16,8 +16,9 @@ from litestar import Controller, Response, get, post
 from litestar.datastructures import State
 
 from agentd import __version__
+from agentd.server.auth import require_metrics_access, require_operator
 from agentd.server.metrics import CONTENT_TYPE
-from agentd.server.state import require_metrics_access, require_operator, server_of
+from agentd.server.state import server_of
 from agentd.server.stats import stats_report
 from agentd.server.web_guard import require_local_token
 
@@ -75,8 +76,8 @@ class AdminController(Controller):
         return {
             "model": engine.model_name,
             "max_model_len": engine.max_model_len,
-            "block_size": engine.engine.config.block_size,
-            "compute": engine.engine.loaded.compute_report(),
+            "block_size": engine.block_size,
+            "compute": engine.compute_report(),
             "uptime_s": round(server.uptime_s, 3),
             "pid": server.pid,
             "version": __version__,

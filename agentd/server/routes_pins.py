@@ -24,9 +24,11 @@ from agentd.cache import PinBudgetError, PinError, PinExistsError, PinKey, PinNo
 from agentd.config import parse_duration
 from agentd.pin_service import PinSpec, PinTooLongError
 from agentd.pin_store import PIN_NAME
-from agentd.server.errors import APIError
-from agentd.server.protocol import ErrorResponse, Tool, _check_tools
-from agentd.server.state import cache_tenant, is_operator, require_api_key, server_of
+from agentd.server.auth import cache_tenant, is_operator, require_api_key
+from agentd.server.errors import APIError, ErrorResponse
+from agentd.server.state import server_of
+from agentd.server.wires.checks import check_tools
+from agentd.server.wires.openai_types import Tool
 
 _CODES = {PinExistsError: "pin_exists", PinNotFoundError: "pin_not_found",
           PinBudgetError: "pin_budget_exceeded", PinTooLongError: "context_length_exceeded"}
@@ -148,7 +150,7 @@ def _to_spec(data: PinCreateRequest, owner: str | None) -> PinSpec:
         raise APIError(400, "system must be a non-empty system prompt", param="system")
     tools = None
     if data.tools:
-        _check_tools(data.tools)
+        check_tools(data.tools)
         tools = msgspec.to_builtins(data.tools)  # exactly what a chat request's tools become
     return PinSpec(data.name, data.system, tools, _ttl_s(data.ttl), owner=owner)
 

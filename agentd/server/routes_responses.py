@@ -20,13 +20,13 @@ from litestar.datastructures import State
 from litestar.params import Body, FromPath
 from litestar.response import Stream
 
+from agentd.server.auth import cache_tenant, require_api_key
 from agentd.server.errors import APIError
 from agentd.server.intake import check_chars, text_chars
 from agentd.server.routes_openai import ERROR_RESPONSES
-from agentd.server.serving import event_stream, until_disconnect
-from agentd.server.state import ServerState, cache_tenant, require_api_key, server_of
+from agentd.server.state import ServerState, server_of
 from agentd.server.wires.openai_responses import ResponsesRequest
-from agentd.server.wires.plan import start
+from agentd.server.wires.plan import answer
 from agentd.server.wires.response_store import StoredResponse
 from agentd.server.wires.responses_out import complete_response, stream_response
 from agentd.server.wires.responses_plan import ResponsesJob, plan_responses
@@ -47,9 +47,7 @@ class ResponsesController(Controller):
     async def create(self, request: Request[Any, Any, Any], data: ResponsesBody,
                      state: State) -> Response | Stream:
         server = server_of(state)
-        engine = server.require_engine()
-        model = server.check_model(data.model)
-        server.unknown_fields.note(await request.body(), ResponsesRequest, request.url.path)
+        engine, model = await server.accept(request, data)
         check_chars(text_chars([data.input, data.instructions], _TEXT_KEYS), engine.tokenizer,
                     engine.max_model_len, "input")
         tenant = cache_tenant(request)
@@ -59,14 +57,10 @@ class ResponsesController(Controller):
         keep = data.store and server.settings.response_store_size > 0
         job = await asyncio.to_thread(plan_responses, data, engine, model, int(time.time()),
                                       previous, keep)
-        started = await start(request, server, job.plan)
         on_stored = partial(_store, server, tenant, job)
-        if data.stream:
-            return event_stream(stream_response(job, started.deltas, started.on_finish,
-                                                on_stored))
-        return await until_disconnect(
-            request, complete_response(job, started.deltas, started.on_finish, on_stored),
-            started.deltas)
+        return await answer(request, server, job.plan, data.stream,
+                            partial(stream_response, job, on_stored=on_stored),
+                            partial(complete_response, job, on_stored=on_stored))
 
     @get("/{response_id:str}", summary="Get a stored response", sync_to_thread=False)
     def get_response(self, request: Request[Any, Any, Any], response_id: FromPath[str],
@@ -102,7 +96,7 @@ def _not_found(response_id: str, param: str) -> APIError:
 def _store(server: ServerState, tenant: str | None, job: ResponsesJob,
            response: Response | None, output_ids: list[int]) -> None:
     plan = job.plan
-    if not plan.keep_tail:
+    if not plan.request.keep_tail:
         return
     if response is None:
         server.release_tails([plan.request_id])

@@ -25,8 +25,8 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from agentd.config import EngineConfig
 from agentd.server.app import create_app
-from agentd.server.protocol import error_body
-from agentd.server.state import ServerSettings
+from agentd.server.errors import error_body
+from agentd.server.settings import ServerSettings
 
 logger = logging.getLogger("agentd.server")
 

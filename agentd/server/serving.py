@@ -1,5 +1,5 @@
-"""Helpers shared by the completion handlers: submitting to the engine, collecting a whole reply,
-watching for a client that goes away, and Server-Sent Events framing.
+"""Helpers shared by the completion handlers: submitting to the engine, reading a request to its
+end, watching for a client that goes away, and Server-Sent Events framing.
 
 Invariant: an engine stream is always either read to its last delta or closed, and closing it
 aborts the request (``AsyncEngine`` frees its blocks), so a client that disconnects — streaming
@@ -14,7 +14,7 @@ import asyncio
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 from litestar import Request
@@ -23,13 +23,8 @@ from litestar.response import Stream
 from agentd.async_engine import AsyncEngine, EngineBusyError, EngineDeadError, RequestStream
 from agentd.outputs import StreamDelta
 from agentd.pins import tenant_salt
-from agentd.retention import HoldRequest
-from agentd.sampling_params import SamplingParams
+from agentd.request import EngineRequest
 from agentd.server.errors import APIError
-from agentd.server.protocol import Usage, error_body
-
-if TYPE_CHECKING:
-    from agentd.server.retention import RetentionRequest
 
 T = TypeVar("T")
 RETRY_AFTER_S = 1
@@ -42,20 +37,12 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def submit(engine: AsyncEngine, prompt_token_ids: list[int], params: SamplingParams,
-           request_id: str, cache_salt: str | None,
-           max_in_flight: int | None = None, grammar: Any = None,
-           keep_tail: bool = False, retention: RetentionRequest | None = None,
-           owner: str | None = None) -> RequestStream:
-    """Queue the request (with its compiled output constraint, if any, and the prefix to retain,
-    held for ``owner``); the engine's at-once rejections become OpenAI errors (503 when
+def submit(engine: AsyncEngine, request: EngineRequest,
+           max_in_flight: int | None = None) -> RequestStream:
+    """Queue the request, whole; the engine's at-once rejections become errors (503 when
     ``max_in_flight`` requests are in flight already, with ``Retry-After``)."""
     try:
-        hold = None
-        if retention is not None and retention.num_tokens > 0:
-            hold = HoldRequest(retention.num_tokens, retention.ttl_s, owner)
-        return engine.add_request(prompt_token_ids, params, request_id, cache_salt,
-                                  max_in_flight, grammar, keep_tail, hold)
+        return engine.add_request(request, max_in_flight)
     except EngineBusyError as exc:
         raise APIError(503, str(exc), code="server_busy",
                        headers={"Retry-After": str(RETRY_AFTER_S)}) from exc
@@ -146,17 +133,9 @@ async def _wait_disconnect(request: Request[Any, Any, Any]) -> None:
         pass
 
 
-def usage_of(last: StreamDelta) -> Usage:
-    return Usage.build(last.num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
-
-
 def sse(obj: Any) -> bytes:
     """One Server-Sent Event carrying ``obj`` as JSON."""
     return b"data: " + _encoder.encode(obj) + b"\n\n"
-
-
-def sse_error(error: APIError) -> bytes:
-    return sse(error_body(error.message, type=error.type, param=error.param, code=error.code))
 
 
 class EventStream(Stream):

@@ -5,32 +5,23 @@ Invariants: handlers reach the engine only through ``ServerState.require_engine(
 half-built engine. Pins registered before a restart are restored (from their KV snapshots, or
 recomputed) before the engine is published, so ``/health`` turns 200 only once they hit. The
 server shuts down only an engine it loaded itself; an engine passed in by the caller is started
-if needed and left running for its owner. Every /v1 and /admin route is
-behind the API-key guard when keys are set; /health stays open, and /metrics too only with
-``metrics_public``. With two or more ``--api-key`` keys (and no ``shared_cache``) the guard tags
-each request with its key's tenant id, which the handlers mix into the cache salt and use as the
-owner of the pins it makes, so tenants never share KV blocks nor see each other's pins; only an
-operator (an ``--admin-key``, or any key when there is one tenant) reaches /admin, /v1/stats,
-/metrics and every tenant's pins.
+if needed and left running for its owner. (Settings: :mod:`agentd.server.settings`; keys and
+tenants: :mod:`agentd.server.auth`.)
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from litestar.connection import ASGIConnection
+import msgspec
+from litestar import Request
 from litestar.datastructures import State
-from litestar.handlers import BaseRouteHandler
 
 from agentd.config import EngineConfig
 from agentd.server.errors import APIError
@@ -38,11 +29,11 @@ from agentd.server.intake import UnknownFields
 from agentd.server.key_stats import KeyStats
 from agentd.server.local_token import new_token, write_token
 from agentd.server.metrics import EngineSnapshot, ServerMetrics
+from agentd.server.settings import ServerSettings
 from agentd.server.wires.response_store import ResponseStore
 
 if TYPE_CHECKING:
     from agentd.async_engine import AsyncEngine
-    from agentd.engine import LLMEngine
     from agentd.pin_service import PinService
     from agentd.server.prompt_history import PromptHistory
 
@@ -50,58 +41,7 @@ logger = logging.getLogger("agentd.server")
 _LOAD_JOIN_TIMEOUT_S = 300.0
 
 
-@dataclass(frozen=True)
-class ServerSettings:
-    """HTTP-side knobs (the engine's live in ``EngineConfig``)."""
-
-    api_keys: tuple[str, ...] = ()
-    admin_keys: tuple[str, ...] = ()  # operators: /admin, /v1/stats, /metrics, every tenant's pins
-    metrics_public: bool = False  # serve /metrics without a key even when keys are set
-    max_request_body_bytes: int = 16 * 2**20
-    shutdown_grace_s: float = 10.0
-    max_queue: int = 256  # requests that may wait beyond a full batch; then 503 + Retry-After
-    shared_cache: bool = False  # with several keys, let tenants share cached prefixes (and pins)
-    state_dir: Path | None = None  # pins.json and KV snapshots; None keeps pins in memory only
-    # Web safety (agentd.server.web_guard): the address bound, more names the Host header may
-    # carry, origins whose pages may call the API, and how long a client may take to send a
-    # request's headers, then its body.
-    bind_host: str = "127.0.0.1"
-    allowed_hosts: tuple[str, ...] = ()
-    cors_origins: tuple[str, ...] = ()
-    read_timeout_s: float = 30.0
-    # Responses API: stored responses (per API key) and how long one lives after its last use
-    response_store_size: int = 1024
-    response_store_ttl_s: float = 3600.0
-
-    def __post_init__(self) -> None:
-        if self.max_request_body_bytes < 1024:
-            raise ValueError("max_request_body_bytes must be at least 1024")
-        if self.shutdown_grace_s < 0:
-            raise ValueError("shutdown_grace_s must be >= 0")
-        if any(not key for key in self.all_keys):
-            raise ValueError("API keys must be non-empty")
-        if self.max_queue < 0:
-            raise ValueError(f"max_queue must be >= 0, not {self.max_queue}")
-        if self.read_timeout_s <= 0:
-            raise ValueError(f"read_timeout_s must be > 0, not {self.read_timeout_s}")
-        if self.response_store_size < 0 or self.response_store_ttl_s <= 0:
-            raise ValueError("response_store_size must be >= 0 and response_store_ttl_s > 0")
-
-    @property
-    def all_keys(self) -> tuple[str, ...]:
-        return self.api_keys + self.admin_keys
-
-    @property
-    def per_key_cache(self) -> bool:
-        """Each API key gets its own cache salt: two or more keys and no ``shared_cache``."""
-        return len(self.api_keys) >= 2 and not self.shared_cache
-
-    def is_operator(self, key: str) -> bool:
-        """Admin keys are; with a single tenant (one key, or a shared cache) every key is."""
-        return key in self.admin_keys or not self.per_key_cache
-
-
-def ready_summary(engine: LLMEngine) -> str:
+def ready_summary(engine: AsyncEngine) -> str:
     """What ``agentd start`` says once ready: the load time, memory, context and KV pool."""
     from agentd.kv_sizing import format_bytes, proc_status_bytes
 
@@ -176,7 +116,7 @@ class ServerState:
         asyncio.run(self.restore_pins(pins))  # a private loop: pins hit before we say ready
         self.pins = pins
         self.engine = engine
-        logger.info("ready: %s", ready_summary(engine.engine))
+        logger.info("ready: %s", ready_summary(engine))
 
     def _pin_service(self, engine: AsyncEngine) -> PinService:
         from agentd.pin_service import PinService
@@ -282,6 +222,15 @@ class ServerState:
         assert self.pins is not None  # set before the engine is published
         return self.pins
 
+    async def accept(self, request: Request[Any, Any, Any],
+                     data: msgspec.Struct) -> tuple[AsyncEngine, str]:
+        """What a completion route does first: the engine (503 while there is none), the served
+        model's name (404 for another), and the body's unknown top-level fields noted."""
+        engine = self.require_engine()
+        model = self.check_model(getattr(data, "model", None))
+        self.unknown_fields.note(await request.body(), type(data), request.url.path)
+        return engine, model
+
     def check_model(self, model: str | None) -> str:
         """The served model name; 404 if the request names another model."""
         engine = self.require_engine()
@@ -361,61 +310,3 @@ def count_arrivals(app: Any, *, server: ServerState) -> Any:
 def server_of(state: State) -> ServerState:
     """The app's ``ServerState`` (handlers take Litestar's ``state``)."""
     return state.agentd
-
-
-def require_api_key(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRouteHandler) -> None:
-    """Litestar guard: when API keys are set, ``Authorization: Bearer <key>`` (or Anthropic's
-    ``x-api-key: <key>``) must match one.
-
-    With per-key caches, a tenant key's id goes to ``connection.state.cache_tenant``; whether the
-    key is an operator's goes to ``connection.state.operator``.
-    """
-    settings: ServerSettings = connection.app.state.agentd.settings
-    keys = settings.all_keys
-    if not keys:
-        return
-    scheme, _sep, token = connection.headers.get("authorization", "").partition(" ")
-    if "authorization" not in connection.headers and "x-api-key" in connection.headers:
-        scheme, token = "bearer", connection.headers["x-api-key"]
-    given = token.strip().encode()
-    matched = [key for key in keys if hmac.compare_digest(given, key.encode())]
-    if scheme.lower() != "bearer" or not matched:
-        raise APIError(401, "missing or incorrect API key; send 'Authorization: Bearer <key>' "
-                       "(or 'x-api-key: <key>') with a key given to `agentd start --api-key`",
-                       headers={"WWW-Authenticate": "Bearer"})
-    if settings.per_key_cache and matched[0] not in settings.admin_keys:
-        connection.state.cache_tenant = tenant_of(matched[0])
-    connection.state.operator = settings.is_operator(matched[0])
-
-
-def require_operator(connection: ASGIConnection[Any, Any, Any, Any],
-                     handler: BaseRouteHandler) -> None:
-    """Litestar guard: the API-key guard, and then (when keys are set) an operator's key."""
-    require_api_key(connection, handler)
-    if not is_operator(connection):
-        raise APIError(403, "this needs an admin key: with several --api-key keys only the keys "
-                       "given to `agentd start --admin-key` reach /admin, /v1/stats, /metrics and "
-                       "other tenants' pins", code="permission_denied")
-
-
-def require_metrics_access(connection: ASGIConnection[Any, Any, Any, Any],
-                           handler: BaseRouteHandler) -> None:
-    """Litestar guard for /metrics: open with ``metrics_public``, else an operator's key."""
-    if not connection.app.state.agentd.settings.metrics_public:
-        require_operator(connection, handler)
-
-
-def is_operator(connection: ASGIConnection[Any, Any, Any, Any]) -> bool:
-    """Whether the guard let an operator in (everyone is, when no keys are set)."""
-    settings: ServerSettings = connection.app.state.agentd.settings
-    return getattr(connection.state, "operator", not settings.all_keys)
-
-
-def tenant_of(api_key: str) -> str:
-    """A stable, non-reversible id for an API key (the key itself never reaches the cache)."""
-    return hashlib.sha256(api_key.encode()).hexdigest()[:32]
-
-
-def cache_tenant(connection: ASGIConnection[Any, Any, Any, Any]) -> str | None:
-    """The tenant id the guard set, or None when tenants share the cache."""
-    return getattr(connection.state, "cache_tenant", None)

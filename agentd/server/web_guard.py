@@ -3,7 +3,8 @@
 A daemon on 127.0.0.1 without a key is reachable from every web page the user opens: a page
 may send "simple" cross-site requests (``text/plain``, form or untyped bodies) without a CORS
 preflight, and a DNS-rebinding page reaches the daemon under its own domain name and can read
-the replies. Invariants of ``web_guard``, a Litestar middleware on every route:
+the replies. Invariants of ``web_guard``, a Litestar middleware on every route (its refusals are
+raised, so each answers in its route's wire shape, and close the connection):
 
 - Host: a request whose ``Host`` names neither a loopback name, the address the daemon is bound
   to, nor one of ``allowed_hosts`` is refused with a 403 (what Ollama and vLLM do against DNS
@@ -30,11 +31,11 @@ import socket
 import time
 from typing import Any
 
-import msgspec
-
-from agentd.server.errors import APIError, error_payload
+from agentd.server.errors import APIError
 from agentd.server.local_token import TOKEN_FILE, TOKEN_HEADER
 
+# A refusal leaves the body unread: the connection cannot carry another request.
+_CLOSE = {"connection": "close"}
 LOOPBACK_NAMES = frozenset({"localhost", "127.0.0.1", "::1"})
 _WILDCARDS = frozenset({"", "0.0.0.0", "::"})
 
@@ -91,27 +92,24 @@ def web_guard(app: Any, *, server: Any) -> Any:
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         if not host_allowed(headers.get("host"), settings.bind_host, settings.allowed_hosts):
             name = _host_name(headers["host"])
-            await _reply(send, scope, APIError(
+            raise APIError(
                 403, f"this daemon does not answer to the Host {name!r} (a guard against DNS "
                 f"rebinding); if you reach it by that name, start it with --allowed-hosts {name}",
-                code="host_not_allowed"), close=True)
-            return
+                code="host_not_allowed", headers=_CLOSE)
         if not _has_body(headers):
             await app(scope, receive, send)
             return
         if not is_json(headers.get("content-type")):
             got = headers.get("content-type") or "none"
-            await _reply(send, scope, APIError(
+            raise APIError(
                 415, f"the request body must be JSON, sent with 'Content-Type: application/json' "
-                f"(got {got!r})", code="unsupported_media_type"), close=True)
-            return
+                f"(got {got!r})", code="unsupported_media_type", headers=_CLOSE)
         body = await _read_body(receive, settings.read_timeout_s,
                                 settings.max_request_body_bytes)
         if body is None:
             return  # the client went away
         if isinstance(body, APIError):
-            await _reply(send, scope, body, close=True)
-            return
+            raise body
         await app(scope, _replay(body, receive), send)
 
     return middleware
@@ -134,7 +132,7 @@ async def _read_body(receive: Any, timeout_s: float,
             message = await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0))
         except TimeoutError:
             return APIError(408, f"the request body did not arrive within {timeout_s:g} s "
-                            "(--read-timeout)", code="request_timeout")
+                            "(--read-timeout)", code="request_timeout", headers=_CLOSE)
         if message["type"] == "http.disconnect":
             return None
         messages.append(message)
@@ -148,16 +146,6 @@ def _replay(messages: list[dict[str, Any]], receive: Any) -> Any:
         return messages.pop(0) if messages else await receive()
 
     return replay
-
-
-async def _reply(send: Any, scope: Any, error: APIError, close: bool) -> None:
-    body = msgspec.json.encode(error_payload(error, scope.get("path", "")))
-    headers = [(b"content-type", b"application/json"),
-               (b"content-length", str(len(body)).encode())]
-    if close:  # the body was not read: the connection cannot carry another request
-        headers.append((b"connection", b"close"))
-    await send({"type": "http.response.start", "status": error.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
 
 
 def require_local_token(connection: Any, _: Any) -> None:

@@ -171,9 +171,9 @@ def tool_calls_params(tools: list[dict[str, Any]], tool_choice: Any = None,
     """The constraint for OpenAI-shaped ``tools`` and ``tool_choice`` ("auto"/None, "required",
     "none" or ``{"type": "function", "function": {"name": ...}}``); None when tools are off.
 
-    One call per turn unless ``parallel_tool_calls`` is True (see ``agentd.server.serving_chat``
-    for why). ``answer_schema``: beside a JSON response format, an ``auto`` turn is calls or one
-    JSON answer.
+    One call per turn unless ``parallel_tool_calls`` is True (see
+    ``agentd.server.wires.openai_chat`` for why). ``answer_schema``: beside a JSON response
+    format, an ``auto`` turn is calls or one JSON answer.
     """
     if not tools or tool_choice == "none":
         return None

@@ -14,6 +14,7 @@ from agentd.config import EngineConfig
 from agentd.engine import EngineStats, LLMEngine
 from agentd.llm import LLM
 from agentd.outputs import StreamDelta
+from agentd.request import EngineRequest
 from agentd.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -67,7 +68,7 @@ def test_concurrent_streams_match_the_offline_api(engine: AsyncEngine, offline: 
     expected = offline.generate(prompts, GREEDY)
 
     async def main() -> tuple[list[list[StreamDelta]], EngineStats]:
-        streams = [engine.add_request(p, GREEDY) for p in prompts]
+        streams = [engine.add_request(EngineRequest(p, GREEDY)) for p in prompts]
         results = await asyncio.gather(*(collect(s) for s in streams))
         return results, await engine.call(lambda e: e.stats())
 
@@ -90,8 +91,8 @@ def test_a_stream_that_goes_away_is_aborted_and_frees_its_blocks(engine: AsyncEn
     long = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
 
     async def main() -> tuple[tuple[int, int, int], tuple[int, int, int], int, int]:
-        stream = engine.add_request(prompts[0], long)
-        survivor = engine.add_request(prompts[1], GREEDY)
+        stream = engine.add_request(EngineRequest(prompts[0], long))
+        survivor = engine.add_request(EngineRequest(prompts[1], GREEDY))
         survivor_task = asyncio.create_task(collect(survivor))
         got_three = asyncio.Event()
         seen: list[StreamDelta] = []
@@ -152,7 +153,7 @@ def test_call_propagates_exceptions(engine: AsyncEngine) -> None:
 
 def test_too_long_prompt_is_refused_at_add_time(engine: AsyncEngine) -> None:
     async def main() -> None:
-        engine.add_request(list(range(100, 400)), GREEDY)
+        engine.add_request(EngineRequest(list(range(100, 400)), GREEDY))
 
     with pytest.raises(ValueError, match="300 tokens.*is 256 tokens"):
         run(main)
@@ -162,7 +163,7 @@ def test_too_long_prompt_is_refused_at_add_time(engine: AsyncEngine) -> None:
 
 
 async def _add(engine: AsyncEngine, prompt_ids: list[int]) -> None:
-    engine.add_request(prompt_ids, GREEDY)
+    engine.add_request(EngineRequest(prompt_ids, GREEDY))
 
 
 def test_a_cancelled_pin_registration_leaves_nothing_behind(engine: AsyncEngine,
@@ -172,7 +173,8 @@ def test_a_cancelled_pin_registration_leaves_nothing_behind(engine: AsyncEngine,
     tokens = (prompts[0] * 40)[:200]
 
     async def main() -> tuple[int, tuple[int, int, int], int, int]:
-        survivor = asyncio.create_task(collect(engine.add_request(prompts[1], GREEDY)))
+        survivor = asyncio.create_task(collect(engine.add_request(
+            EngineRequest(prompts[1], GREEDY))))
         task = asyncio.create_task(engine.run_pin("doomed", tokens, None, {}))
         while engine.pending()["streams"] < 2:
             await asyncio.sleep(0)
@@ -205,9 +207,9 @@ def test_an_idle_engine_waits_for_requests_still_arriving(engine: AsyncEngine,
     async def steps_for(arriving: int) -> int:
         before = await engine.call(lambda e: e.stats().num_steps)
         engine.arriving = arriving
-        first = asyncio.create_task(collect(engine.add_request(prompts[0], one)))
+        first = asyncio.create_task(collect(engine.add_request(EngineRequest(prompts[0], one))))
         await asyncio.sleep(0.005)  # the second request is still being parsed meanwhile
-        second = asyncio.create_task(collect(engine.add_request(prompts[1], one)))
+        second = asyncio.create_task(collect(engine.add_request(EngineRequest(prompts[1], one))))
         engine.arriving = 0
         await first
         await second
@@ -218,7 +220,8 @@ def test_an_idle_engine_waits_for_requests_still_arriving(engine: AsyncEngine,
     async def announced_but_never_sent() -> list[StreamDelta]:
         engine.arriving = 1  # e.g. a client that stalls mid-body: the wait is bounded
         try:
-            return await asyncio.wait_for(collect(engine.add_request(prompts[2], one)), 10)
+            return await asyncio.wait_for(collect(engine.add_request(
+                EngineRequest(prompts[2], one))), 10)
         finally:
             engine.arriving = 0
 

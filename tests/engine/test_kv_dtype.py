@@ -20,6 +20,7 @@ from agentd.kv_sizing import resolve_kv_dtype
 from agentd.llm import LLM
 from agentd.pin_snapshots import read_snapshot, write_snapshot
 from agentd.pins import SnapshotMismatch
+from agentd.request import EngineRequest
 from agentd.sampling_params import SamplingParams
 
 NARROW = [pytest.param(torch.float16, id="fp16"), pytest.param(torch.bfloat16, id="bf16")]
@@ -120,7 +121,7 @@ def tiny_engines(tiny_model_factory) -> dict[str, LLMEngine]:
 
 def greedy(engine: LLMEngine, prompts: list[list[int]], num_tokens: int) -> list[list[int]]:
     params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
-    ids = [engine.add_request(p, params) for p in prompts]
+    ids = [engine.add_request(EngineRequest(p, params)) for p in prompts]
     out: dict[str, list[int]] = {rid: [] for rid in ids}
     while engine.has_unfinished_requests():
         for delta in engine.step():

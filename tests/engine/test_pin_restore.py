@@ -28,6 +28,7 @@ from agentd.chat import render_chat
 from agentd.config import EngineConfig
 from agentd.pin_service import PinService, PinSpec
 from agentd.pins import tenant_salt
+from agentd.request import EngineRequest
 from agentd.sampling_params import SamplingParams
 
 KV_BYTES = 8 * 2**20  # 1,024 blocks of 16 tokens for the tiny llama
@@ -60,7 +61,7 @@ async def ask(engine: AsyncEngine, system: str, salt: str | None = None
                                             {"role": "user", "content": QUESTION}],
                          None, None).prompt_token_ids
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    deltas = [d async for d in engine.add_request(prompt, params, cache_salt=salt)]
+    deltas = [d async for d in engine.add_request(EngineRequest(prompt, params, cache_salt=salt))]
     return deltas[-1].num_cached_tokens, [t for d in deltas for t in d.token_ids]
 
 

@@ -20,6 +20,7 @@ from agentd.config import EngineConfig
 from agentd.llm import LLM
 from agentd.near_miss import CLAUDE_CODE_FIX, CLAUDE_CODE_HEADER
 from agentd.pin_service import PinService, PinSpec, pin_token_ids
+from agentd.request import EngineRequest
 from agentd.sampling_params import SamplingParams
 
 BLOCK_BYTES_TINY_LLAMA = 2 * 2 * 16 * 2 * 16 * 4  # layers * K/V * block * kv heads * dim * fp32
@@ -47,8 +48,8 @@ async def chat(engine: AsyncEngine, system: str, user: str, tools=None, max_toke
     ids = render_chat(engine.tokenizer, messages, tools, None).prompt_token_ids
     last = None
     tokens: list[int] = []
-    async for delta in engine.add_request(ids, SamplingParams(temperature=0, max_tokens=max_tokens,
-                                                              ignore_eos=True)):
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    async for delta in engine.add_request(EngineRequest(ids, params)):
         tokens += delta.token_ids
         last = delta
     return last, tokens
@@ -108,7 +109,7 @@ def test_pin_survives_pool_pressure_while_unpinned_prefix_is_evicted(tiny_llama,
             vocab_filler = list(range(1000, 1000 + 900))
             for i in range(8):
                 ids = [5000 + i] + vocab_filler
-                async for _ in engine.add_request(ids, SamplingParams(max_tokens=1)):
+                async for _ in engine.add_request(EngineRequest(ids, SamplingParams(max_tokens=1))):
                     pass
             last, _ = await chat(engine, research["system"], "new question", research["tools"])
             assert last.num_cached_tokens >= info["num_tokens"]

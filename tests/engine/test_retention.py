@@ -15,7 +15,7 @@ from agentd.async_engine import AsyncEngine
 from agentd.chat import render_chat
 from agentd.config import EngineConfig
 from agentd.pin_service import PinService, PinSpec
-from agentd.retention import HoldRequest
+from agentd.request import EngineRequest, RetentionRequest
 from agentd.sampling_params import SamplingParams
 
 HOUR_S = 3600.0
@@ -55,10 +55,11 @@ def prompt(engine, agent: dict, turn: str) -> list[int]:
     return render_chat(engine.tokenizer, messages, agent["tools"], None).prompt_token_ids
 
 
-async def run(engine, ids: list[int], hold: HoldRequest | None = None, max_tokens: int = 2):
+async def run(engine, ids: list[int], hold: RetentionRequest | None = None,
+              max_tokens: int = 2):
     last = None
-    async for delta in engine.add_request(ids, SamplingParams(temperature=0, max_tokens=max_tokens,
-                                                              ignore_eos=True), retention=hold):
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    async for delta in engine.add_request(EngineRequest(ids, params, retention=hold)):
         last = delta
     return last
 
@@ -80,7 +81,7 @@ def test_a_retained_prefix_survives_pressure_that_evicts_an_unmarked_one(tiny_ll
         engine = make_engine(tiny_llama, num_blocks=480)
         try:
             held_ids = prompt(engine, research, "first question")
-            first = await run(engine, held_ids, HoldRequest(len(held_ids), HOUR_S))
+            first = await run(engine, held_ids, RetentionRequest(len(held_ids), HOUR_S))
             assert first.num_retained_tokens == whole_blocks(len(held_ids))
             unmarked_ids = prompt(engine, coding, "first question")
             await run(engine, unmarked_ids)
@@ -110,7 +111,7 @@ def test_a_hit_refreshes_the_hold_and_its_ttl_lets_it_decay(tiny_llama, research
         try:
             system_ids = prompt(engine, research, "question")
             num_held = len(system_ids) - 40  # system + tools, not the user turn
-            first = await run(engine, system_ids, HoldRequest(num_held, 1.5))
+            first = await run(engine, system_ids, RetentionRequest(num_held, 1.5))
             assert first.num_retained_tokens == whole_blocks(num_held)
             [before] = engine.pin_summary().retained
             await asyncio.sleep(0.2)
@@ -143,7 +144,7 @@ def test_retention_shares_the_pin_budget_and_never_displaces_a_pin(tiny_llama, r
         engine = make_engine(tiny_llama, num_blocks=480, max_pinned_fraction=0.35)
         try:
             coding_ids = prompt(engine, coding, "question")
-            first = await run(engine, coding_ids, HoldRequest(len(coding_ids), HOUR_S))
+            first = await run(engine, coding_ids, RetentionRequest(len(coding_ids), HOUR_S))
             assert first.num_retained_tokens > 0
             service = PinService(engine, tmp_path)
             info = await service.add(PinSpec("research", research["system"], research["tools"]))
@@ -153,7 +154,7 @@ def test_retention_shares_the_pin_budget_and_never_displaces_a_pin(tiny_llama, r
             assert stats.num_retained == 0
             # now the pin leaves no room: a retention is refused, served as plain LRU, and the
             # pin stays whole
-            refused = await run(engine, coding_ids, HoldRequest(len(coding_ids), HOUR_S))
+            refused = await run(engine, coding_ids, RetentionRequest(len(coding_ids), HOUR_S))
             assert refused.num_retained_tokens == 0
             stats = engine.stats()
             assert stats.num_retained == 0 and stats.num_blocks_pinned == info["num_blocks"]
@@ -174,15 +175,18 @@ def test_the_server_may_retain_a_cached_prefix_directly(tiny_llama, research):
         engine = make_engine(tiny_llama, num_blocks=480)
         try:
             ids = prompt(engine, research, "question")
-            hold = HoldRequest(len(ids), HOUR_S, owner="tenant-x")
-            assert await engine.call(lambda e: e.retain(ids, hold)) is None  # nothing cached
+            hold = RetentionRequest(len(ids), HOUR_S)
+            owner = "tenant-x"
+            # nothing cached
+            assert await engine.call(lambda e: e.retain(ids, hold, owner=owner)) is None
             await run(engine, ids)
-            first = await engine.call(lambda e: e.retain(ids, hold))
+            first = await engine.call(lambda e: e.retain(ids, hold, owner=owner))
             assert (first.num_tokens, first.new) == (whole_blocks(len(ids)), True)
             assert first.expires_in_s == pytest.approx(HOUR_S, abs=5)
-            again = await engine.call(lambda e: e.retain(ids, hold, cache_salt="other"))
+            again = await engine.call(lambda e: e.retain(ids, hold, cache_salt="other",
+                                                         owner=owner))
             assert again is None  # another salt: other blocks, none cached
-            assert (await engine.call(lambda e: e.retain(ids, hold))).new is False
+            assert (await engine.call(lambda e: e.retain(ids, hold, owner=owner))).new is False
             [stat] = await engine.call(lambda e: e.pins.summary().retained)
             assert stat.owner == "tenant-x" and stat.num_blocks == len(ids) // 16
             await press(engine)

@@ -19,7 +19,7 @@ import transformers
 from agentd.llm import LLM
 from agentd.output_processor import OutputText
 from agentd.outputs import RequestOutput
-from agentd.request import Request
+from agentd.request import EngineRequest, Request
 from agentd.sampler import Sampler
 from agentd.sampling_params import SamplingParams
 
@@ -145,7 +145,7 @@ def greedy(llm: LLM, prompts: list[list[int]]) -> RequestOutput:
 def run_mixed(llm: LLM, requests: list[tuple[list[int], SamplingParams]]) -> list[list[int]]:
     """Run requests with different params in one engine batch; token ids per request."""
     engine = llm.engine
-    ids = [engine.add_request(p, params) for p, params in requests]
+    ids = [engine.add_request(EngineRequest(p, params)) for p, params in requests]
     tokens: dict[str, list[int]] = {rid: [] for rid in ids}
     while engine.has_unfinished_requests():
         for delta in engine.step():
@@ -238,8 +238,8 @@ def test_streamed_text_never_shows_part_of_a_stop_string(llm: LLM, prompts: list
                                                           greedy: RequestOutput) -> None:
     stop, index = pick_stop_string(greedy.text)
     engine = llm.engine
-    rid = engine.add_request(prompts[0], SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
-                                                        stop=[stop], ignore_eos=True))
+    rid = engine.add_request(EngineRequest(prompts[0], SamplingParams(
+        temperature=0.0, max_tokens=MAX_TOKENS, stop=[stop], ignore_eos=True)))
     emitted = ""
     while engine.has_unfinished_requests():
         for delta in engine.step():

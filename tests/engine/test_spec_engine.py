@@ -24,7 +24,7 @@ import transformers
 
 from agentd.config import SpeculativeConfig
 from agentd.llm import LLM
-from agentd.request import Request
+from agentd.request import EngineRequest, Request
 from agentd.runner import ModelRunner
 from agentd.sampling_params import SamplingParams
 from agentd.spec_decode import Speculator
@@ -99,7 +99,8 @@ def run_checked(llm: LLM, prompts: list[list[int]], params: SamplingParams | lis
     per step, (tokens, drafts) of each scheduled row."""
     engine = llm.engine
     params_list = params if isinstance(params, list) else [params] * len(prompts)
-    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
+    ids = [engine.add_request(EngineRequest(p, sp))
+           for p, sp in zip(prompts, params_list, strict=True)]
     tokens: dict[str, list[int]] = {rid: [] for rid in ids}
     steps = []
     execute = engine.runner.execute
@@ -197,7 +198,7 @@ def test_stops_and_streaming_are_as_without_speculation(llama, monkeypatch) -> N
                                           ignore_eos=True), **extra})
         want = off.generate(prompts, params)
         engine = llm.engine
-        ids = [engine.add_request(p, params) for p in prompts]
+        ids = [engine.add_request(EngineRequest(p, params)) for p in prompts]
         streamed = {rid: "" for rid in ids}
         got = {}
         while engine.has_unfinished_requests():
@@ -341,10 +342,10 @@ def test_a_constrained_requests_mask_finds_its_row_after_anothers_drafts(llama) 
     assert solo.text in choices
     llm = planted_llm(path, {tuple(prompts[0]): want.token_ids})
     engine = llm.engine
-    first = engine.add_request(prompts[0], GREEDY)
+    first = engine.add_request(EngineRequest(prompts[0], GREEDY))
     engine.step()
     engine.step()  # `first` decodes, with drafts from now on
-    second = engine.add_request(prompts[1], constrained)
+    second = engine.add_request(EngineRequest(prompts[1], constrained))
     tokens: dict[str, list[int]] = {first: [], second: []}
     rows = []
     execute = engine.runner.execute

@@ -10,6 +10,7 @@ import jsonschema
 import pytest
 
 from agentd.llm import LLM
+from agentd.request import EngineRequest
 from agentd.sampling_params import SamplingParams
 from agentd.structured.jump_forward import plan_jump
 from agentd.structured.params import FunctionSpec, StructuredOutputsParams, ToolCallsSpec
@@ -51,7 +52,7 @@ def greedy(max_tokens: int = 48, **kwargs) -> SamplingParams:
 def run(llm: LLM, requests: list[tuple[list[int], SamplingParams]]) -> list[list[int]]:
     """Step the engine over ``requests`` together; each one's output token ids."""
     engine = llm.engine
-    ids = [engine.add_request(prompt, params) for prompt, params in requests]
+    ids = [engine.add_request(EngineRequest(prompt, params)) for prompt, params in requests]
     tokens: dict[str, list[int]] = {rid: [] for rid in ids}
     while engine.has_unfinished_requests():
         for delta in engine.step():
@@ -135,7 +136,7 @@ def test_a_grammar_dead_end_ends_the_request_with_an_error(llm: LLM,
                                                            prompts: list[list[int]]) -> None:
     engine = llm.engine
     grammar = engine.grammars.compile(StructuredOutputsParams(choice=["yes", "no"]))
-    rid = engine.add_request(prompts[0], greedy(), grammar=grammar)
+    rid = engine.add_request(EngineRequest(prompts[0], greedy(), grammar=grammar))
     matcher = engine.structured._matchers[rid]
     for token_id in llm.tokenizer("yes", add_special_tokens=False).input_ids + [2]:
         assert matcher.accept_token(token_id)  # complete and terminated: nothing is legal now

@@ -8,6 +8,7 @@ import asyncio
 
 from agentd.async_engine import AsyncEngine, _check_references
 from agentd.config import EngineConfig
+from agentd.request import EngineRequest
 from agentd.sampling_params import SamplingParams
 
 BLOCK_BYTES_TINY_LLAMA = 2 * 2 * 16 * 2 * 16 * 4  # layers * K/V * block * kv heads * dim * fp32
@@ -18,7 +19,8 @@ async def run(engine: AsyncEngine, ids: list[int], keep_tail: bool = False,
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     tokens: list[int] = []
     last = None
-    async for delta in engine.add_request(ids, params, cache_salt=salt, keep_tail=keep_tail):
+    request = EngineRequest(ids, params, cache_salt=salt, keep_tail=keep_tail)
+    async for delta in engine.add_request(request):
         tokens += delta.token_ids
         last = delta
     return last, tokens

@@ -19,6 +19,7 @@ import pytest
 from agentd.async_engine import AsyncEngine, EngineBusyError, EngineDeadError, RequestStream
 from agentd.config import EngineConfig
 from agentd.engine import LLMEngine
+from agentd.request import EngineRequest
 from agentd.sampling_params import SamplingParams
 from agentd.server.app import create_app
 
@@ -71,14 +72,15 @@ def test_every_way_of_leaving_aborts_the_request(tiny, mode: str) -> None:
         await wait_engine_idle(engine)
         assert engine.pending()["streams"] == 0
         # and the engine still serves
-        assert len(await read_all(engine.add_request(prompt, GREEDY))) == GREEDY.max_tokens
+        assert len(await read_all(engine.add_request(
+            EngineRequest(prompt, GREEDY)))) == GREEDY.max_tokens
 
     run(engine, main)
 
 
 async def leave(engine: AsyncEngine, prompt: list[int], mode: str, num_reads: int) -> None:
     """Open a long stream and walk away from it after ``num_reads`` deltas, the ``mode`` way."""
-    stream = engine.add_request(prompt, LONG)
+    stream = engine.add_request(EngineRequest(prompt, LONG))
     if mode == "close-unread":
         await stream.aclose()
         assert stream.done
@@ -127,7 +129,8 @@ def test_a_finished_stream_ends_and_closing_it_is_a_no_op(tiny) -> None:
     prompt = prompt_ids(engine, "Hello there")
 
     async def main() -> None:
-        stream = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=3))
+        stream = engine.add_request(
+            EngineRequest(prompt, SamplingParams(temperature=0.0, max_tokens=3)))
         deltas = [d async for d in stream]
         assert deltas[-1].finished and stream.done
         assert [d async for d in stream] == []  # exhausted stays exhausted
@@ -145,13 +148,13 @@ def test_the_in_flight_bound_refuses_at_once_and_queues_nothing(tiny) -> None:
     prompt = prompt_ids(engine, "Hello there")
 
     async def main() -> None:
-        first = engine.add_request(prompt, LONG, max_in_flight=1)
+        first = engine.add_request(EngineRequest(prompt, LONG), max_in_flight=1)
         with pytest.raises(EngineBusyError, match="busy"):
-            engine.add_request(prompt, LONG, max_in_flight=1)
+            engine.add_request(EngineRequest(prompt, LONG), max_in_flight=1)
         assert engine.num_in_flight == 1
         await first.aclose()
         await wait_engine_idle(engine)
-        second = engine.add_request(prompt, GREEDY, max_in_flight=1)
+        second = engine.add_request(EngineRequest(prompt, GREEDY), max_in_flight=1)
         assert len(await read_all(second)) == GREEDY.max_tokens
 
     run(engine, main)
@@ -166,14 +169,14 @@ def test_a_stopped_engine_refuses_new_requests_and_ends_open_streams(tiny) -> No
     prompt = prompt_ids(engine, "Hello there")
 
     async def main() -> None:
-        stream = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=3000,
-                                                           ignore_eos=True))
+        stream = engine.add_request(EngineRequest(prompt, SamplingParams(
+            temperature=0.0, max_tokens=3000, ignore_eos=True)))
         await stream.__anext__()
         await asyncio.to_thread(engine.shutdown)
         deltas = [d async for d in stream]  # the stream ends: aborted, not hanging
         assert deltas and deltas[-1].finish_reason == "abort"
         with pytest.raises(EngineDeadError):
-            engine.add_request(prompt, GREEDY)
+            engine.add_request(EngineRequest(prompt, GREEDY))
         assert engine.pending()["streams"] == 0
 
     asyncio.run(asyncio.wait_for(main(), 60))
@@ -189,10 +192,11 @@ def test_fifty_abandoned_streams_free_their_blocks_and_leave_the_others_unchange
     plans = [(rng.choice(MODES), rng.randrange(0, 25)) for _ in quitters]
 
     async def solo() -> list[list[int]]:
-        return [await read_all(engine.add_request(p, GREEDY)) for p in survivors]
+        return [await read_all(engine.add_request(EngineRequest(p, GREEDY))) for p in survivors]
 
     async def crowd() -> tuple[list[list[int]], int]:
-        kept = [asyncio.create_task(read_all(engine.add_request(p, GREEDY))) for p in survivors]
+        kept = [asyncio.create_task(read_all(engine.add_request(EngineRequest(p, GREEDY))))
+                for p in survivors]
         peak = 0
 
         async def one(prompt: list[int], mode: str, num_reads: int) -> None:
@@ -302,7 +306,7 @@ def test_shutdown_during_a_long_step_still_answers_every_request(tiny, monkeypat
 
     from agentd.engine import LLMEngine as Engine
     from agentd.server.serve import serve
-    from agentd.server.state import ServerSettings
+    from agentd.server.settings import ServerSettings
 
     config, _ = tiny
     slow = threading.Event()

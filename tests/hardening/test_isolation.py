@@ -27,7 +27,7 @@ from agentd.async_engine import AsyncEngine
 from agentd.config import EngineConfig
 from agentd.engine import LLMEngine
 from agentd.server.app import ServerSettings, create_app
-from agentd.server.state import tenant_of
+from agentd.server.auth import tenant_of
 
 LOCAL = "http://127.0.0.1"  # a Host header the daemon answers to (testserver.local is not)
 

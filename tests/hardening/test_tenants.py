@@ -16,7 +16,7 @@ import pytest
 from litestar.testing import TestClient
 
 from agentd.server.app import ServerSettings, create_app
-from agentd.server.state import tenant_of
+from agentd.server.auth import tenant_of
 
 K1, K2, ADMIN = "sk-tenant-one", "sk-tenant-two", "sk-operator"
 SYSTEMS = {K1: "You are tenant one's research agent. Cite every source. " * 12,

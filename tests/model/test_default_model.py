@@ -15,6 +15,7 @@ import transformers
 from agentd.config import SpeculativeConfig
 from agentd.engine import LLMEngine
 from agentd.llm import LLM
+from agentd.request import EngineRequest
 from agentd.sampling_params import SamplingParams
 from agentd.spec_decode import Speculator
 
@@ -108,7 +109,7 @@ def test_cached_2000_token_prefix_runs_only_the_remaining_tokens(llm: LLM) -> No
     config = dataclasses.replace(engine.config, enable_prefix_caching=False,
                                  speculative=SpeculativeConfig(method="off"))
     uncached = LLMEngine(config, loaded=engine.loaded)
-    uncached.add_request(second, params)
+    uncached.add_request(EngineRequest(second, params))
     token_ids: list[int] = []
     while uncached.has_unfinished_requests():
         for delta in uncached.step():

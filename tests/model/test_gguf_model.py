@@ -40,6 +40,7 @@ from agentd.model.loader import (
     resolve_model,
 )
 from agentd.model.synth import SHAPES, write_synth_gguf
+from agentd.request import EngineRequest
 from agentd.sampling_params import SamplingParams
 
 QT = gguf.GGMLQuantizationType
@@ -51,7 +52,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams = GREEDY
         ) -> list[list[int]]:
     """Every prompt to completion in one batch; the generated ids, in prompt order."""
-    ids = [engine.add_request(p, params) for p in prompts]
+    ids = [engine.add_request(EngineRequest(p, params)) for p in prompts]
     out: dict[str, list[int]] = {rid: [] for rid in ids}
     while engine.has_unfinished_requests():
         for delta in engine.step():

@@ -113,7 +113,7 @@ def test_shutdown_aborts_streams_after_the_grace_period(tiny, poll, tmp_path) ->
     """``serve`` (what ``agentd start`` runs): a stream still running when the grace period ends
     is aborted cleanly — a final ``abort`` chunk and ``[DONE]`` — and serve returns 0."""
     from agentd.server.serve import serve
-    from agentd.server.state import ServerSettings
+    from agentd.server.settings import ServerSettings
 
     config, _ = tiny
     sock = socket.create_server(("127.0.0.1", 0))

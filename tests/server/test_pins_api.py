@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from agentd.async_engine import AsyncEngine
 from agentd.config import EngineConfig
 from agentd.server.app import create_app
-from agentd.server.state import ServerSettings
+from agentd.server.settings import ServerSettings
 
 LOCAL = "http://127.0.0.1"  # a Host header the daemon answers to (testserver.local is not)
 

@@ -8,7 +8,15 @@ from typing import Any
 import msgspec
 import pytest
 
-from agentd.server.protocol import (
+from agentd.server.errors import RequestValidationError, error_body
+from agentd.server.wires.checks import decode_request, validate_prompt_len
+from agentd.server.wires.openai_chat import (
+    to_sampling_params,
+    to_template_inputs,
+    validate_chat_request,
+)
+from agentd.server.wires.openai_completions import validate_completion_request
+from agentd.server.wires.openai_types import (
     ChatCompletion,
     ChatCompletionChoice,
     ChatCompletionChunk,
@@ -25,17 +33,9 @@ from agentd.server.protocol import (
     FunctionCall,
     ModelCard,
     ModelList,
-    RequestValidationError,
     ToolCall,
     ToolChoiceNamed,
     Usage,
-    decode_request,
-    error_body,
-    to_sampling_params,
-    to_template_inputs,
-    validate_chat_request,
-    validate_completion_request,
-    validate_prompt_len,
 )
 
 MAX_MODEL_LEN = 2048
@@ -430,7 +430,7 @@ def test_model_list_and_error_shapes() -> None:
 def test_template_inputs_keep_the_tool_type_and_drop_unset_fields() -> None:
     """Templates see tools as OpenAI sent them: ``{"type": "function", "function": {...}}``
     (the default ``type`` once vanished through omit_defaults), unset optional fields absent."""
-    from agentd.server.protocol import to_template_inputs
+    from agentd.server.wires.openai_chat import to_template_inputs
 
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
             "tools": [{"function": {"name": "f", "parameters": {"type": "object"}}}]}

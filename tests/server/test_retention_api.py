@@ -18,9 +18,11 @@ from rich.console import Console
 
 from agentd.cli.stats import render
 from agentd.near_miss import CLAUDE_CODE_FIX, CLAUDE_CODE_HEADER
-from agentd.server.protocol import ChatCompletionRequest
-from agentd.server.retention import RetentionRequest, cache_usage, prewarm
-from agentd.server.serving_chat import plan_chat
+from agentd.request import EngineRequest, RetentionRequest
+from agentd.server.retention import cache_usage
+from agentd.server.wires.openai_chat import plan_chat
+from agentd.server.wires.openai_types import ChatCompletionRequest
+from agentd.server.wires.plan import prewarm, prewarm_params
 
 SYSTEM = ("You are a careful research assistant. Cite sources, say what you do not know, and "
           "answer in short paragraphs. ") * 8
@@ -128,12 +130,18 @@ def test_prewarm_retains_without_generating_and_the_next_request_hits(client) ->
     request = body(unique_system())
     plan = plan_chat(msgspec.convert(request, ChatCompletionRequest), engine, engine.model_name, 0)
     ids = plan.prompt_token_ids
-    last = asyncio.run(prewarm(engine, ids, RetentionRequest(len(ids) - 4, 300.0),
-                               f"prewarm-{uuid.uuid4().hex}"))
+    warm = EngineRequest(ids, prewarm_params(), f"prewarm-{uuid.uuid4().hex}",
+                         retention=RetentionRequest(len(ids) - 4, 300.0))
+
+    async def started_prewarm():  # a pre-warm plan, as ``wires.plan.start`` submits it
+        return await prewarm(engine.add_request(warm))
+
+    last = asyncio.run(started_prewarm())
     assert (last.num_output_tokens, last.text, last.token_ids) == (0, "", [])
     num_whole = (len(ids) - 4) // 16 * 16
     assert last.num_retained_tokens == num_whole and last.num_cached_tokens < 16
-    usage = cache_usage(last, replace(plan, retention=RetentionRequest(len(ids) - 4, 300.0)))
+    usage = cache_usage(last, replace(plan, request=replace(
+        plan.request, retention=RetentionRequest(len(ids) - 4, 300.0))))
     assert (usage.read, usage.creation) == (last.num_cached_tokens, num_whole - usage.read)
     entry = engine.pin_summary().retained[0]  # the most recently used first
     assert (entry.num_tokens, entry.ttl_s, entry.num_hits) == (num_whole, 300.0, 0)

@@ -12,9 +12,9 @@ import msgspec
 import pytest
 from litestar.testing import TestClient
 
-from agentd.server.protocol import ChatCompletionRequest
-from agentd.server.serving_chat import plan_chat
 from agentd.server.tool_calls import ToolCallAssembler, ToolMode
+from agentd.server.wires.openai_chat import plan_chat
+from agentd.server.wires.openai_types import ChatCompletionRequest
 
 UNITS = {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}, "ok": {"type": "boolean"}},
          "required": ["unit", "ok"], "additionalProperties": False}

@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 
-from agentd.server.protocol import RequestValidationError as Invalid
+from agentd.server.errors import RequestValidationError as Invalid
 from agentd.server.retention import ANTHROPIC_TTLS, parse_ttl
 from agentd.server.wires.prompts import TOOLS_CUT
 from agentd.server.wires.tools import ToolSet, anthropic_tools

@@ -9,29 +9,48 @@ is only whitespace makes no block; every block started is stopped before ``messa
 ``stop_reason`` is ``tool_use`` when the turn ended with calls, ``max_tokens`` when cut,
 ``stop_sequence`` (naming it) when a stop sequence ended it, else ``end_turn``; usage counts
 ``input_tokens`` as the prompt tokens neither read from nor written to the cache. A failure
-mid-stream is an ``error`` event.
+mid-stream is an ``error`` event. The streamed reply encodes the plan's event stream
+(:mod:`agentd.server.wires.events`) and the whole one folds it. Errors on this wire, mid-stream
+or not, are in Anthropic's shape (``anthropic_error_body``).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
-from agentd.async_engine import RequestStream
 from agentd.outputs import StreamDelta
-from agentd.server.errors import APIError, error_payload
+from agentd.server.errors import APIError
 from agentd.server.retention import cache_usage
-from agentd.server.serving import collect, delta_error, exception_error
-from agentd.server.tool_calls import ToolCallAssembler
+from agentd.server.wires.events import (
+    CallArguments,
+    CallStart,
+    Event,
+    Failed,
+    Finished,
+    Started,
+    Text,
+    fold,
+)
 from agentd.server.wires.messages_plan import MessagesJob
-from agentd.server.wires.plan import OnFinish
-from agentd.tool_parser import CallStartEvent
 
 _encoder = msgspec.json.Encoder()
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def anthropic_error_body(error: APIError) -> dict[str, Any]:
+    """The wire's error shape: ``{"type": "error", "error": {"type", "message"}}``, with the
+    same status as on every wire."""
+    kind = _ERROR_TYPES.get(error.status) or (
+        "api_error" if error.status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": error.message}}
 
 
 def tool_use_id(call_id: str) -> str:
@@ -65,19 +84,22 @@ def message(job: MessagesJob, content: list[dict[str, Any]], stop_reason: str | 
             "stop_sequence": stop_sequence, "usage": usage_}
 
 
-async def complete_message(job: MessagesJob, deltas: AsyncIterator[StreamDelta],
-                           on_finish: OnFinish) -> dict[str, Any]:
-    got = await collect(deltas)
-    parsed = ToolCallAssembler(job.plan.tool_mode).whole(got.text)
+def prewarmed(job: MessagesJob, last: StreamDelta) -> dict[str, Any]:
+    """The reply to ``max_tokens: 0``: no content, what the cache read and now holds."""
+    return message(job, [], "max_tokens", None, usage(job, last, output_tokens=0))
+
+
+async def complete_message(job: MessagesJob, events: AsyncIterator[Event]) -> dict[str, Any]:
+    whole = await fold(events)
+    finished = whole.finished
+    assert finished is not None
     content: list[dict[str, Any]] = []
-    if parsed.content and parsed.content.strip():
-        content.append({"type": "text", "text": parsed.content})
+    if whole.content and whole.content.strip():
+        content.append({"type": "text", "text": whole.content})
     content += [{"type": "tool_use", "id": tool_use_id(c.id), "name": c.name,
-                 "input": json.loads(c.arguments_json or "{}")} for c in parsed.tool_calls]
-    stop_reason, stop_sequence = stop(job, bool(parsed.tool_calls), got.last)
-    on_finish(got.last, "tool_calls" if stop_reason == "tool_use" else
-              str(got.last.finish_reason))
-    return message(job, content, stop_reason, stop_sequence, usage(job, got.last))
+                 "input": json.loads(c.arguments_json or "{}")} for c in whole.calls]
+    stop_reason, stop_sequence = stop(job, bool(whole.calls), finished.last)
+    return message(job, content, stop_reason, stop_sequence, usage(job, finished.last))
 
 
 def event(kind: str, **fields: Any) -> bytes:
@@ -95,10 +117,11 @@ class _Blocks:
     num_calls: int = 0
     out: list[bytes] = field(default_factory=list)
 
-    def close(self) -> None:
+    def close(self) -> list[bytes]:
         if self.open_kind is not None:
             self.out.append(event("content_block_stop", index=self.num_blocks - 1))
             self.open_kind = None
+        return self.flush()
 
     def open(self, block: dict[str, Any]) -> None:
         self.close()
@@ -117,60 +140,46 @@ class _Blocks:
         self.out.append(event("content_block_delta", index=self.num_blocks - 1,
                               delta={"type": "text_delta", "text": text}))
 
-    def feed(self, pieces: list[Any]) -> list[bytes]:
-        for piece in pieces:
-            if isinstance(piece, str):
-                self.text(piece)
-            elif isinstance(piece, CallStartEvent):
-                self.num_calls += 1
-                self.open({"type": "tool_use", "id": tool_use_id(piece.id), "name": piece.name,
-                           "input": {}})
-            else:
-                self.out.append(event("content_block_delta", index=self.num_blocks - 1,
-                                      delta={"type": "input_json_delta",
-                                             "partial_json": piece.text}))
+    def feed(self, piece: Event) -> list[bytes]:
+        if isinstance(piece, Text):
+            self.text(piece.text)
+        elif isinstance(piece, CallStart):
+            self.num_calls += 1
+            self.open({"type": "tool_use", "id": tool_use_id(piece.id), "name": piece.name,
+                       "input": {}})
+        elif isinstance(piece, CallArguments):
+            self.out.append(event("content_block_delta", index=self.num_blocks - 1,
+                                  delta={"type": "input_json_delta",
+                                         "partial_json": piece.text}))
+        return self.flush()
+
+    def flush(self) -> list[bytes]:
         out, self.out = self.out, []
         return out
 
 
-async def stream_message(job: MessagesJob, deltas: RequestStream,
-                         on_finish: OnFinish) -> AsyncIterator[bytes]:
+async def stream_message(job: MessagesJob, events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
     """The event stream of one submitted generation; closing it early aborts the request.
     ``message_start`` waits for the first delta, so its usage says what the cache served."""
     blocks = _Blocks()
-    assembler = ToolCallAssembler(job.plan.tool_mode)
-    try:
-        last: StreamDelta | None = None
-        async for delta in deltas:
-            if last is None:
+    async with aclosing(events):  # type: ignore[type-var]
+        async for item in events:
+            if isinstance(item, Started):
                 yield event("message_start", message=message(
-                    job, [], None, None, usage(job, delta, output_tokens=0)))
+                    job, [], None, None, usage(job, item.first, output_tokens=0)))
                 yield event("ping")
-            last = delta
-            for chunk in blocks.feed(assembler.feed(delta.text)):
-                yield chunk
-        for chunk in blocks.feed(assembler.finish()):
-            yield chunk
-        blocks.close()
-        for chunk in blocks.feed([]):
-            yield chunk
-        assert last is not None  # the engine always ends a stream with a finished delta
-        if last.error is not None:
-            raise delta_error(last)
-        stop_reason, stop_sequence = stop(job, blocks.num_calls > 0, last)
-        on_finish(last, "tool_calls" if stop_reason == "tool_use" else str(last.finish_reason))
-        yield event("message_delta", delta={"stop_reason": stop_reason,
-                                            "stop_sequence": stop_sequence},
-                    usage=usage(job, last))
-        yield event("message_stop")
-    except APIError as exc:
-        yield _error_event(exc)
-    except (ValueError, RuntimeError) as exc:
-        yield _error_event(exception_error(exc))
-    finally:
-        await deltas.aclose()  # aborts it if unfinished
-
-
-def _error_event(error: APIError) -> bytes:
-    body = error_payload(error, "/v1/messages")
-    return event("error", error=body["error"])
+            elif isinstance(item, Finished):
+                for chunk in blocks.close():
+                    yield chunk
+                stop_reason, stop_sequence = stop(job, blocks.num_calls > 0, item.last)
+                yield event("message_delta", delta={"stop_reason": stop_reason,
+                                                    "stop_sequence": stop_sequence},
+                            usage=usage(job, item.last))
+                yield event("message_stop")
+            elif isinstance(item, Failed):
+                for chunk in blocks.close() if item.complete else []:
+                    yield chunk
+                yield event("error", error=anthropic_error_body(item.error)["error"])
+            else:
+                for chunk in blocks.feed(item):
+                    yield chunk

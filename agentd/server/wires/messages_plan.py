@@ -5,7 +5,8 @@ Invariants: runs in a worker thread; raises only ``RequestValidationError`` (ren
 Anthropic's shape by the route); the prompt is the chat route's rendering of the same
 conversation, plus an assistant prefill's plain-text tokens when the last turn is the
 assistant's; Anthropic's ranges hold (``temperature`` in [0, 1]), and ``max_tokens`` is
-required: at least 1, or 0 to pre-warm the prompt (``retention.prewarm``).
+required: at least 1, or 0 to pre-warm the prompt (a plan of ``plan.prewarm_params``: its
+output is dropped, nothing constrains it, and it is started like any other).
 """
 
 from __future__ import annotations
@@ -15,11 +16,10 @@ from typing import Any
 
 from agentd.async_engine import AsyncEngine
 from agentd.chat import plain_text_ids
+from agentd.request import EngineRequest, RetentionRequest
 from agentd.sampling_params import SamplingParams
 from agentd.server.constraints import Constraint, tool_constraint
-from agentd.server.protocol import RequestValidationError as Invalid
-from agentd.server.protocol import check_max_tokens, check_range, validate_prompt_len
-from agentd.server.retention import RetentionRequest
+from agentd.server.errors import RequestValidationError as Invalid
 from agentd.server.serving import new_request_id
 from agentd.server.tool_calls import ToolMode
 from agentd.server.wires.anthropic_messages import (
@@ -27,7 +27,8 @@ from agentd.server.wires.anthropic_messages import (
     MessagesRequest,
     parse_conversation,
 )
-from agentd.server.wires.plan import Plan
+from agentd.server.wires.checks import check_max_tokens, check_range
+from agentd.server.wires.plan import Plan, prewarm_params
 from agentd.server.wires.prompts import breakpoint_len, render_ids
 from agentd.structured.params import StructuredOutputsParams
 
@@ -72,19 +73,20 @@ def plan_messages(req: MessagesRequest, engine: AsyncEngine, model: str,
     if tools.on:
         constraint = tool_constraint(tools.tools or [], tools.tool_choice, tools.parallel,
                                      constraint)
-    params = SamplingParams(max_tokens=max(req.max_tokens, 1),
-                            temperature=1.0 if req.temperature is None else req.temperature,
-                            top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k,
-                            stop=list(stops), ignore_eos=req.ignore_eos)
-    if constraint is not None:
+    prewarm = req.max_tokens == 0
+    params = prewarm_params() if prewarm else SamplingParams(
+        max_tokens=req.max_tokens, temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k, stop=list(stops),
+        ignore_eos=req.ignore_eos)
+    if constraint is not None and not prewarm:  # a pre-warm generates nothing to constrain
         params.structured_outputs = constraint.params
-    validate_prompt_len(len(ids), req.max_tokens or None, engine.max_model_len)
-    plan = Plan(request_id=new_request_id("msg").replace("-", "_"), model=model,
-                created=created, prompt_token_ids=ids, params=params,
-                tool_mode=ToolMode.PARSE if tools.on else ToolMode.OFF, constraint=constraint,
-                cache_salt=req.cache_salt, prompt_cache_key=_user_id(req.metadata),
-                retention=_retention(conv, engine.tokenizer, ids))
-    return MessagesJob(plan, stops, prewarm=req.max_tokens == 0)
+    request = EngineRequest(ids, params, new_request_id("msg").replace("-", "_"),
+                            req.cache_salt, retention=_retention(conv, engine.tokenizer, ids))
+    plan = Plan(model=model, created=created, request=request,
+                tool_mode=ToolMode.PARSE if tools.on else ToolMode.OFF,
+                constraint=None if prewarm else constraint,
+                prompt_cache_key=_user_id(req.metadata))
+    return MessagesJob(plan, stops, prewarm)
 
 
 def _output_format(config: dict[str, Any] | None) -> Constraint | None:

@@ -15,8 +15,9 @@ from typing import Any
 
 import msgspec
 
-from agentd.server.protocol import RequestValidationError as Invalid
+from agentd.server.errors import RequestValidationError as Invalid
 from agentd.server.retention import OPENAI_BREAKPOINT_TTLS, openai_retention, parse_ttl
+from agentd.server.wires.openai_types import PromptCacheOptions
 from agentd.server.wires.tools import ToolSet, responses_tools
 
 # Fields OpenAI defines that agentd does not serve: a 400 naming each when set.
@@ -26,13 +27,6 @@ _UNSUPPORTED = {"background": "background responses", "conversation": "the Conve
                 "model; effort \"none\" is accepted)"}
 _ROLES = ("user", "assistant", "system", "developer")
 _TEXT_PARTS = ("input_text", "output_text", "text")
-
-
-class PromptCacheOptions(msgspec.Struct, kw_only=True):
-    mode: str | None = None
-    ttl: str | None = None
-    prewarm: bool | None = None
-    comparison_response_id: str | None = None
 
 
 class TextFormat(msgspec.Struct, kw_only=True):

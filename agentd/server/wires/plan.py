@@ -1,87 +1,100 @@
 """The one internal request every wire builds, and how a plan is started on the engine.
 
-Invariants: a plan is complete before the engine sees it (prompt token ids, sampling params,
-output constraint, tool mode, cache salt, retention request), so the routes differ only in how
-they parse and how they answer; a plan is started the same way for every wire — its constraint
-compiled off the event loop (a 400 naming the field when it cannot be), submitted with the
-tenant's cache salt (503 + ``Retry-After`` when the queue is full) — and its finish is recorded
-in the server's metrics and, when it names a ``prompt_cache_key``, in that key's stats.
+Invariants: a plan is complete before the engine sees it — its ``EngineRequest`` (prompt token
+ids, sampling params, retention request, the client's cache salt) plus what shapes the reply
+(tool mode, output constraint, usage, the names its errors give) — so the routes differ only in
+how they parse and how they answer. A plan is started the same way for every wire: its prompt
+checked against the context once (a 400 naming the wire's field), its constraint compiled off the
+event loop (a 400 naming the field when it cannot be), its request scoped to the caller's tenant
+(cache salt and owner) and submitted whole (503 + ``Retry-After`` when the queue is full); its
+finish is recorded in the server's metrics and, when it names a ``prompt_cache_key``, in that
+key's stats. The Messages API's ``max_tokens: 0`` pre-warm is a plan started the same way.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from agentd.outputs import StreamDelta
+from agentd.request import EngineRequest, RetentionRequest
 from agentd.sampling_params import SamplingParams
+from agentd.server.auth import cache_tenant
 from agentd.server.constraints import Constraint, compile_constraint
-from agentd.server.retention import RetentionRequest
-from agentd.server.serving import effective_cache_salt, submit
-from agentd.server.state import ServerState, cache_tenant
+from agentd.server.serving import (
+    collect,
+    effective_cache_salt,
+    event_stream,
+    submit,
+    until_disconnect,
+)
 from agentd.server.tool_calls import ToolMode
+from agentd.server.wires.checks import validate_prompt_len
+from agentd.server.wires.events import Event, events
 
 if TYPE_CHECKING:
     from litestar import Request
 
     from agentd.async_engine import RequestStream
-
-OnFinish = Callable[[StreamDelta, str], None]
+    from agentd.server.state import ServerState
 
 
 @dataclass(frozen=True)
 class Plan:
     """Everything needed to run one request and shape its reply, whatever its wire."""
 
-    request_id: str
     model: str
     created: int
-    prompt_token_ids: list[int]
-    params: SamplingParams
+    request: EngineRequest  # the client's cache salt; ``start`` scopes it to the tenant
     tool_mode: ToolMode
     constraint: Constraint | None
-    cache_salt: str | None = None
     include_usage: bool = False
     prompt_cache_key: str | None = None
-    retention: RetentionRequest | None = None
-    keep_tail: bool = False  # a stored response: keep its last partial block for continuations
+    prompt_param: str = "messages"  # what a prompt too long for the context names
+    max_tokens_param: str = "max_tokens"
+
+    @property
+    def request_id(self) -> str:
+        assert self.request.request_id is not None  # every wire names its requests
+        return self.request.request_id
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.request.prompt_token_ids
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+    @property
+    def retention(self) -> RetentionRequest | None:
+        return self.request.retention
 
 
 @dataclass(frozen=True)
-class Started:
+class Running:
     deltas: RequestStream
-    on_finish: OnFinish
+    events: AsyncIterator[Event]  # read once, by the reply's encoder or fold
 
 
-class Startable(Protocol):
-    """What ``start`` reads of a plan (a ``Plan``, or the text completions' own)."""
-
-    request_id: str
-    model: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    constraint: Constraint | None
-    cache_salt: str | None
-    prompt_cache_key: str | None
-    keep_tail: bool
-    retention: RetentionRequest | None
-
-
-async def start(request: Request[Any, Any, Any], server: ServerState,
-                plan: Startable) -> Started:
-    """Compile the plan's constraint, submit it, and say how to record its finish."""
+async def start(request: Request[Any, Any, Any], server: ServerState, plan: Plan) -> Running:
+    """Check the plan's prompt, compile its constraint, submit it for the caller's tenant."""
     engine = server.require_engine()
+    wanted = plan.request
+    validate_prompt_len(len(wanted.prompt_token_ids), wanted.params.max_tokens,
+                        engine.max_model_len, plan.prompt_param, plan.max_tokens_param)
     grammar = await compile_constraint(engine, plan.constraint)
     tenant = cache_tenant(request)
-    deltas = submit(engine, plan.prompt_token_ids, plan.params, plan.request_id,
-                    effective_cache_salt(tenant, plan.cache_salt),
-                    server.max_in_flight(engine), grammar, keep_tail=plan.keep_tail,
-                    retention=plan.retention, owner=tenant)
+    deltas = submit(engine, dataclasses.replace(
+        wanted, cache_salt=effective_cache_salt(tenant, wanted.cache_salt), owner=tenant,
+        grammar=grammar), server.max_in_flight(engine))
     server.arrived(request.scope)
-    server.observe_prompt(tenant, plan.prompt_cache_key, plan.prompt_token_ids)
-    return Started(deltas, partial(_finished, server, plan.model, tenant, plan.prompt_cache_key))
+    server.observe_prompt(tenant, plan.prompt_cache_key, wanted.prompt_token_ids)
+    on_finish = partial(_finished, server, plan.model, tenant, plan.prompt_cache_key)
+    return Running(deltas, events(deltas, plan.tool_mode, on_finish))
 
 
 def _finished(server: ServerState, model: str, tenant: str | None, key: str | None,
@@ -89,3 +102,34 @@ def _finished(server: ServerState, model: str, tenant: str | None, key: str | No
     server.metrics.observe_finished(model, last, finish_reason)
     if key is not None:
         server.key_stats.record(tenant, key, last)
+
+
+async def answer(request: Request[Any, Any, Any], server: ServerState, plan: Plan, stream: bool,
+                 streamed: Callable[[AsyncIterator[Event]], AsyncIterator[bytes]],
+                 whole: Callable[[AsyncIterator[Event]], Awaitable[Any]]) -> Any:
+    """Start ``plan`` and answer with its event stream encoded (``streamed``) or folded whole
+    (``whole``, aborted if the client goes away first)."""
+    running = await start(request, server, plan)
+    if stream:
+        return event_stream(streamed(running.events))
+    return await until_disconnect(request, whole(running.events), running.deltas)
+
+
+def prewarm_params() -> SamplingParams:
+    """A prefill that generates nothing the client sees: one greedy token, dropped."""
+    return SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+
+
+async def prewarm(deltas: RequestStream) -> StreamDelta:
+    """Read a pre-warm (a plan of ``prewarm_params``, started) to its end.
+
+    Returns:
+        Its last delta with no output (``num_cached_tokens``, ``num_retained_tokens`` for
+        ``cache_usage``). Raises APIError as a whole reply does; a cancelled pre-warm aborts
+        its prefill.
+    """
+    try:
+        got = await collect(deltas)
+    finally:
+        await deltas.aclose()
+    return dataclasses.replace(got.last, text="", token_ids=[], num_output_tokens=0)

@@ -16,7 +16,7 @@ from typing import Any
 
 from agentd.cache import common_prefix_len
 from agentd.chat import render_chat
-from agentd.server.protocol import RequestValidationError
+from agentd.server.errors import RequestValidationError
 
 Messages = list[dict[str, Any]]
 TOOLS_CUT = -1  # a breakpoint on the tools: the prefix ends with the tools block

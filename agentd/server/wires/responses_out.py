@@ -14,18 +14,24 @@ reply, for the response store.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 
-from agentd.async_engine import RequestStream
 from agentd.outputs import StreamDelta
 from agentd.server.errors import APIError
 from agentd.server.retention import cache_usage
-from agentd.server.serving import collect, delta_error, exception_error
-from agentd.server.tool_calls import ToolCallAssembler
-from agentd.server.wires.plan import OnFinish
+from agentd.server.wires.events import (
+    CallArguments,
+    CallStart,
+    Event,
+    Failed,
+    Finished,
+    Text,
+    fold,
+)
 from agentd.server.wires.responses_plan import ResponsesJob
 from agentd.server.wires.responses_types import (
     FunctionCallItem,
@@ -36,7 +42,6 @@ from agentd.server.wires.responses_types import (
     Response,
     ResponseUsage,
 )
-from agentd.tool_parser import CallStartEvent
 
 # Called once per request: with the finished reply and its output token ids, or with None when
 # the request ended without a reply to store (failed, or its client went away).
@@ -66,27 +71,23 @@ def finished_response(job: ResponsesJob, output: list[OutputItem], last: StreamD
                                                     cache_write_tokens=usage.creation)))
 
 
-def _finish_reason(calls: bool, last: StreamDelta) -> str:
-    return "tool_calls" if calls and last.finish_reason == "stop" else str(last.finish_reason)
-
-
-async def complete_response(job: ResponsesJob, deltas: AsyncIterator[StreamDelta],
-                            on_finish: OnFinish, on_stored: OnStored) -> Response:
+async def complete_response(job: ResponsesJob, events: AsyncIterator[Event],
+                            on_stored: OnStored) -> Response:
     try:
-        got = await collect(deltas)
+        whole = await fold(events)
     except BaseException:  # failed or cancelled (the client went away)
         on_stored(None, [])
         raise
-    parsed = ToolCallAssembler(job.plan.tool_mode).whole(got.text)
+    finished = whole.finished
+    assert finished is not None
     output: list[OutputItem] = []
-    if parsed.content and parsed.content.strip():
+    if whole.content and whole.content.strip():
         output.append(OutputMessage(id=_item_id("msg", job.plan.request_id),
-                                    content=[OutputText(text=parsed.content)]))
+                                    content=[OutputText(text=whole.content)]))
     output += [FunctionCallItem(id=_item_id("fc", c.id), call_id=c.id, name=c.name,
-                                arguments=c.arguments_json) for c in parsed.tool_calls]
-    response = finished_response(job, output, got.last, bool(parsed.tool_calls))
-    on_finish(got.last, _finish_reason(bool(parsed.tool_calls), got.last))
-    on_stored(response, got.token_ids)
+                                arguments=c.arguments_json) for c in whole.calls]
+    response = finished_response(job, output, finished.last, bool(whole.calls))
+    on_stored(response, finished.token_ids)
     return response
 
 
@@ -134,7 +135,7 @@ class _Streamer:
                               logprobs=[]))
         return out
 
-    def call_start(self, piece: CallStartEvent) -> list[bytes]:
+    def call_start(self, piece: CallStart) -> list[bytes]:
         out = self.close()
         self.open_call = FunctionCallItem(id=_item_id("fc", piece.id), call_id=piece.id,
                                           name=piece.name, arguments="", status="in_progress")
@@ -175,56 +176,45 @@ class _Streamer:
             self.open_call = None
         return out
 
-    def pieces(self, pieces: list[Any]) -> list[bytes]:
-        out: list[bytes] = []
-        for piece in pieces:
-            if isinstance(piece, str):
-                out += self.text(piece)
-            elif isinstance(piece, CallStartEvent):
-                out += self.call_start(piece)
-            else:
-                out += self.call_arguments(piece.text)
-        return out
+    def piece(self, piece: Event) -> list[bytes]:
+        if isinstance(piece, Text):
+            return self.text(piece.text)
+        if isinstance(piece, CallStart):
+            return self.call_start(piece)
+        if isinstance(piece, CallArguments):
+            return self.call_arguments(piece.text)
+        return []  # Started: the shell was sent already
 
 
-async def stream_response(job: ResponsesJob, deltas: RequestStream, on_finish: OnFinish,
+async def stream_response(job: ResponsesJob, events: AsyncIterator[Event],
                           on_stored: OnStored) -> AsyncIterator[bytes]:
     """The event stream of one submitted generation; closing it early aborts the request."""
-    events = _Streamer(job)
-    assembler = ToolCallAssembler(job.plan.tool_mode)
-    token_ids: list[int] = []
+    streamer = _Streamer(job)
     stored = False
     try:
-        yield events.event("response.created", response=job.shell)
-        yield events.event("response.in_progress", response=job.shell)
-        last: StreamDelta | None = None
-        async for delta in deltas:
-            last = delta
-            token_ids += delta.token_ids
-            for chunk in events.pieces(assembler.feed(delta.text)):
-                yield chunk
-        for chunk in [*events.pieces(assembler.finish()), *events.close()]:
-            yield chunk
-        assert last is not None  # the engine always ends a stream with a finished delta
-        if last.error is not None:
-            raise delta_error(last)
-        calls = any(isinstance(item, FunctionCallItem) for item in events.output)
-        response = finished_response(job, events.output, last, calls)
-        on_finish(last, _finish_reason(calls, last))
-        on_stored(response, token_ids)
-        stored = True
-        kind = "response.completed" if response.status == "completed" else "response.incomplete"
-        yield events.event(kind, response=response)
-    except APIError as exc:
-        for chunk in _failed(events, job, exc):
-            yield chunk
-    except (ValueError, RuntimeError) as exc:
-        for chunk in _failed(events, job, exception_error(exc)):
-            yield chunk
+        async with aclosing(events):  # type: ignore[type-var]
+            yield streamer.event("response.created", response=job.shell)
+            yield streamer.event("response.in_progress", response=job.shell)
+            async for item in events:
+                if isinstance(item, Finished):
+                    for chunk in streamer.close():
+                        yield chunk
+                    calls = any(isinstance(i, FunctionCallItem) for i in streamer.output)
+                    response = finished_response(job, streamer.output, item.last, calls)
+                    on_stored(response, item.token_ids)
+                    stored = True
+                    yield streamer.event("response.completed" if response.status == "completed"
+                                         else "response.incomplete", response=response)
+                elif isinstance(item, Failed):
+                    for chunk in [*(streamer.close() if item.complete else []),
+                                  *_failed(streamer, job, item.error)]:
+                        yield chunk
+                else:
+                    for chunk in streamer.piece(item):
+                        yield chunk
     finally:
         if not stored:
             on_stored(None, [])
-        await deltas.aclose()  # aborts it if unfinished
 
 
 def _failed(events: _Streamer, job: ResponsesJob, error: APIError) -> list[bytes]:

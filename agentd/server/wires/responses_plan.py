@@ -14,17 +14,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from agentd.async_engine import AsyncEngine
+from agentd.request import EngineRequest, RetentionRequest
 from agentd.sampling_params import SamplingParams
 from agentd.server.constraints import Constraint, tool_constraint
-from agentd.server.protocol import (
-    RequestValidationError,
-    check_max_tokens,
-    check_range,
-    validate_prompt_len,
-)
-from agentd.server.retention import OPENAI_BREAKPOINT_TTLS, RetentionRequest, openai_retention
+from agentd.server.errors import RequestValidationError
+from agentd.server.retention import OPENAI_BREAKPOINT_TTLS, openai_retention
 from agentd.server.serving import new_request_id
 from agentd.server.tool_calls import ToolMode
+from agentd.server.wires.checks import check_max_tokens, check_range
 from agentd.server.wires.openai_responses import ParsedInput, ResponsesRequest, check_fields
 from agentd.server.wires.openai_responses import parse_input as parse_items
 from agentd.server.wires.plan import Plan
@@ -64,7 +61,7 @@ def plan_responses(req: ResponsesRequest, engine: AsyncEngine, model: str, creat
         if previous.function_calls:
             last_turn["tool_calls"] = previous.function_calls
         prompt_ids = continuation_ids(tokenizer, previous.token_ids, parsed.messages, tools,
-                                      choice, last_turn, engine.engine.loaded.eos_token_ids)
+                                      choice, last_turn, engine.eos_token_ids)
     constraint = _text_format(req)
     if tool_set.on:
         constraint = tool_constraint(tools or [], choice, tool_set.parallel, constraint)
@@ -74,16 +71,14 @@ def plan_responses(req: ResponsesRequest, engine: AsyncEngine, model: str, creat
                             ignore_eos=req.ignore_eos)
     if constraint is not None:
         params.structured_outputs = constraint.params
-    validate_prompt_len(len(prompt_ids), max_tokens, engine.max_model_len, "input",
-                        "max_output_tokens")
     request_id = new_request_id("resp").replace("-", "_")
-    plan = Plan(request_id=request_id, model=model, created=created,
-                prompt_token_ids=prompt_ids, params=params,
+    retention = _retention(req, parsed, previous is None, tokenizer, tools, choice, prompt_ids)
+    plan = Plan(model=model, created=created,
+                request=EngineRequest(prompt_ids, params, request_id, req.cache_salt,
+                                      retention=retention, keep_tail=keep),
                 tool_mode=ToolMode.PARSE if tool_set.on else ToolMode.OFF,
-                constraint=constraint, cache_salt=req.cache_salt,
-                prompt_cache_key=req.prompt_cache_key,
-                retention=_retention(req, parsed, previous is None, tokenizer, tools, choice,
-                                     prompt_ids), keep_tail=keep)
+                constraint=constraint, prompt_cache_key=req.prompt_cache_key,
+                prompt_param="input", max_tokens_param="max_output_tokens")
     shell = Response(
         id=request_id, created_at=created, model=model, status="in_progress", output=[],
         instructions=req.instructions, max_output_tokens=max_tokens,

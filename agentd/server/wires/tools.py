@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from agentd.server.protocol import FUNCTION_NAME, check_parameters
-from agentd.server.protocol import RequestValidationError as Invalid
+from agentd.server.errors import RequestValidationError as Invalid
+from agentd.server.wires.checks import FUNCTION_NAME, check_parameters
 
 
 @dataclass(frozen=True)

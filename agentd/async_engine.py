@@ -28,6 +28,7 @@ from agentd.engine import EngineStats, LLMEngine
 from agentd.outputs import StreamDelta
 from agentd.pins import PinResult, PinSummary
 from agentd.request import EngineRequest, check_prompt
+from agentd.request_stream import RequestStream
 from agentd.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger("agentd")
@@ -56,65 +57,6 @@ class IntegrityReport:
     num_blocks_retained: int  # held by retained prefixes (cache control) and by no pin
     num_requests: int  # requests the scheduler still knows (running or waiting)
     num_streams: int  # streams still registered on the async side
-
-
-class RequestStream:
-    """The deltas of one request: an async iterator that always cleans up after itself.
-
-    Unlike an async generator, whose ``finally`` never runs when it is closed before its first
-    read, this aborts its request on ``aclose()``/``abort()``, on a cancelled read and when it is
-    garbage-collected unfinished.
-    """
-
-    def __init__(self, owner: AsyncEngine, request_id: str,
-                 queue: asyncio.Queue[StreamDelta | BaseException]) -> None:
-        self.request_id = request_id
-        self._owner = owner
-        self._queue = queue
-        self._done = False
-
-    @property
-    def done(self) -> bool:
-        """True once the last delta was read or the request was aborted."""
-        return self._done
-
-    def __aiter__(self) -> RequestStream:
-        return self
-
-    async def __anext__(self) -> StreamDelta:
-        if self._done:
-            raise StopAsyncIteration
-        try:
-            item = await self._queue.get()
-        except BaseException:  # the reader was cancelled: nobody will read the rest
-            self.abort()
-            raise
-        if isinstance(item, BaseException):
-            self._end(abort=False)
-            raise item
-        if item.finished:
-            self._end(abort=False)
-        return item
-
-    async def aclose(self) -> None:
-        """Abort the request unless it has finished (idempotent)."""
-        self.abort()
-
-    def abort(self) -> None:
-        """Abort the request unless it has finished (idempotent; safe from any thread)."""
-        self._end(abort=True)
-
-    def _end(self, abort: bool) -> None:
-        if not self._done:
-            self._done = True
-            self._owner._release(self.request_id, abort)
-
-    def __del__(self) -> None:
-        if not getattr(self, "_done", True):
-            try:
-                self.abort()
-            except Exception:  # interpreter shutdown: the engine is gone anyway
-                pass
 
 
 class AsyncEngine:
@@ -275,7 +217,7 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[StreamDelta | BaseException] = asyncio.Queue()
         self._streams[request_id] = (loop, queue)
-        return RequestStream(self, request_id, queue)
+        return RequestStream(request_id, queue, self._release)
 
     def _release(self, request_id: str, abort: bool) -> None:
         self._streams.pop(request_id, None)

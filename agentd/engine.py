@@ -34,6 +34,7 @@ from agentd.model.build import LoadedModel, load_model
 from agentd.model.llama import ModelDims
 from agentd.output_processor import OutputProcessor
 from agentd.outputs import StreamDelta
+from agentd.pin_snapshots import gather_snapshot, snapshot_shape
 from agentd.pins import PendingPin, PinManager, PinResult
 from agentd.request import (
     EngineRequest,
@@ -250,13 +251,13 @@ class LLMEngine:
                                           self.fingerprint)
 
     def pin_snapshot_shape(self, key: PinKey | str) -> tuple[tuple[int, ...], torch.dtype]:
-        return self.pins.snapshot_shape(self.pins.registry.get(key), self.runner.kv_caches)
+        return snapshot_shape(self.pins.registry.get(key), self.runner.kv_caches)
 
     def gather_pin_snapshot(self, key: PinKey | str, out: torch.Tensor | None = None) -> dict:
         """A copy of the pin's KV (into ``out`` when it fits) and what identifies it, for a
         snapshot written elsewhere."""
-        return self.pins.gather_snapshot(self.pins.registry.get(key), self.runner.kv_caches,
-                                         self.fingerprint, out)
+        return gather_snapshot(self.pins.registry.get(key), self.runner.kv_caches,
+                               self.fingerprint, out)
 
     def unpin(self, key: PinKey | str) -> None:
         """Drop a pin; its blocks become ordinary cached blocks. Raises PinNotFoundError."""

@@ -25,9 +25,9 @@ from agentd import pin_snapshots, pin_store
 from agentd.async_engine import AsyncEngine
 from agentd.cache import PinError, PinKey, PinNotFoundError, common_prefix_len, pin_key
 from agentd.chat import render_chat
-from agentd.pin_snapshots import SnapshotError
+from agentd.pin_snapshots import SnapshotError, SnapshotMismatch
 from agentd.pin_store import REGISTRY_FILE, PinSpec
-from agentd.pins import SnapshotMismatch, tenant_salt
+from agentd.pins import tenant_salt
 
 logger = logging.getLogger("agentd")
 _PROBE_MESSAGES = ("Hello", "1", "{", " x", "Wie geht's?")  # varied first characters

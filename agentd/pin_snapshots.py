@@ -1,9 +1,13 @@
-"""KV snapshot files: where a pin's snapshot lives, and writing, checking and loading it.
+"""KV snapshots of pins: taking a pin's KV out of the pool, where its file lives, writing,
+checking and loading it, and putting a loaded one back into the pool.
 
 Invariants: a snapshot is used only when its bytes hash to the xxh3-128 checksum stored beside it
 (``NAME.pt.xxh3``, written after the snapshot); anything else is a ``SnapshotError`` and the caller
-recomputes the pin. File names are an injective function of (owner, name): two pins never share
-a file. Files are 0600 and directories 0700 (see :mod:`agentd.pin_store`).
+recomputes the pin. A loaded snapshot is restored only when the model fingerprint, the cache
+salt, the token ids and every tensor shape match (else ``SnapshotMismatch``, and the caller
+recomputes). File names are an injective function of (owner, name): two pins never share a
+file. Files are 0600 and directories 0700 (see :mod:`agentd.pin_store`). Taking and putting KV
+run on the engine thread (no step writes under them); files are read and written elsewhere.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import IO, Any
 import torch
 import xxhash
 
+from agentd.cache import Pin
 from agentd.pin_store import fsync_dir, private_dir, write_atomic
 
 CHECKSUM_SUFFIX = ".xxh3"
@@ -32,6 +37,10 @@ _KEPT_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789.-")
 
 class SnapshotError(Exception):
     """A snapshot that cannot be used: missing checksum, wrong bytes, or not loadable."""
+
+
+class SnapshotMismatch(ValueError):
+    """A snapshot that loaded but does not fit this pin, model or pool; the pin is recomputed."""
 
 
 def file_stem(text: str) -> str:
@@ -200,3 +209,87 @@ def _test_pause() -> None:
     pause_s = os.environ.get("AGENTD_TEST_PAUSE_SNAPSHOT_S")
     if pause_s:
         time.sleep(float(pause_s))
+
+
+def snapshot_shape(pin: Pin, kv_caches: list[torch.Tensor]
+                   ) -> tuple[tuple[int, ...], torch.dtype]:
+    """Shape and dtype of the buffer ``gather_snapshot`` fills with the pin's full blocks."""
+    first = kv_caches[0]
+    return (len(kv_caches), pin.num_blocks, *first.shape[1:]), first.dtype
+
+def gather_snapshot(pin: Pin, kv_caches: list[torch.Tensor], fingerprint: str,
+                    out: torch.Tensor | None = None) -> dict[str, Any]:
+    """Copy the pin's KV out of the pool (on the engine thread, so no step writes under it);
+    :func:`agentd.pin_snapshots.write_snapshot` writes the result from another thread.
+
+    ``out``: a buffer of ``snapshot_shape`` whose pages another thread has touched already,
+    so the engine thread only copies (a fresh 100 MB buffer cost it 4x as long, page faults
+    included).
+    """
+    first = kv_caches[0]
+    index = torch.tensor(pin.block_ids, dtype=torch.long, device=first.device)
+    shape, dtype = snapshot_shape(pin, kv_caches)
+    if out is None or tuple(out.shape) != shape or out.dtype != dtype or out.is_cuda:
+        out = torch.empty(shape, dtype=dtype)
+    # One layer at a time into one buffer: stacking per-layer copies held the pin's KV twice
+    # (+95 MB of RSS for a 2,064-token pin of the default model).
+    for saved, layer in zip(out, kv_caches, strict=True):
+        if layer.device == out.device:
+            torch.index_select(layer, 0, index, out=saved)
+        else:
+            saved.copy_(layer.index_select(0, index))
+    kv = out
+    payload = {"fingerprint": fingerprint, "cache_salt": pin.cache_salt,
+               "token_ids": pin.token_ids, "kv": kv}
+    if pin.tail_block is not None:  # [layers, 2, tail tokens, Hkv, D]
+        num_tail = len(pin.tail_token_ids)
+        payload["tail_token_ids"] = pin.tail_token_ids
+        payload["tail_kv"] = torch.stack([layer[pin.tail_block, :, :num_tail].cpu()
+                                          for layer in kv_caches])
+    return payload
+
+
+def check_snapshot(payload: dict[str, Any], token_ids: list[int], cache_salt: str | None,
+                   kv_caches: list[torch.Tensor], fingerprint: str,
+                   num_full_tokens: int) -> torch.Tensor:
+    """The snapshot's full-block KV, once it is known to fit; else SnapshotMismatch."""
+    kv = payload.get("kv")
+    num_blocks = num_full_tokens // kv_caches[0].shape[2]
+    if payload.get("fingerprint") != fingerprint:
+        raise SnapshotMismatch("it was taken with another model, dtype or tokenizer")
+    if payload.get("cache_salt") != cache_salt:
+        raise SnapshotMismatch("it was taken under another cache salt (tenant)")
+    if payload.get("token_ids") != token_ids[:num_full_tokens]:
+        raise SnapshotMismatch("its tokens differ from the pin's (the template changed?)")
+    if not isinstance(kv, torch.Tensor) or tuple(kv.shape) != (
+            len(kv_caches), num_blocks, *kv_caches[0].shape[1:]):
+        raise SnapshotMismatch("its KV tensor has the wrong shape for this model and pool")
+    if kv.dtype != kv_caches[0].dtype:  # the fingerprint says so too; never convert silently
+        raise SnapshotMismatch(f"its KV is {kv.dtype}, the pool's {kv_caches[0].dtype} "
+                               "(another --kv-cache-dtype)")
+    return kv
+
+def snapshot_tail(payload: dict[str, Any], tail: list[int],
+                  kv_caches: list[torch.Tensor]) -> torch.Tensor | None:
+    """The KV of the pin's tail tokens, when the snapshot has it ([layers, 2, tail tokens, Hkv,
+    D]); None for an older snapshot or a tail that changed (the pin goes without it)."""
+    tail_kv = payload.get("tail_kv")
+    if not tail or payload.get("tail_token_ids") != tail or not isinstance(
+            tail_kv, torch.Tensor) or tuple(tail_kv.shape) != (
+            len(kv_caches), 2, len(tail), *kv_caches[0].shape[3:]):
+        return None
+    return tail_kv
+
+
+def put_snapshot(kv_caches: list[torch.Tensor], block_ids: list[int], kv: torch.Tensor,
+                 tail: tuple[int, torch.Tensor] | None = None) -> None:
+    """Copy a snapshot's full blocks into ``block_ids`` of the pool, and its tail's slots into
+    ``tail`` (its block, its KV)."""
+    new_ids = torch.tensor(block_ids, dtype=torch.long)
+    for layer, saved in zip(kv_caches, kv, strict=True):
+        layer.index_copy_(0, new_ids.to(layer.device),
+                          saved.to(device=layer.device, dtype=layer.dtype))
+    if tail is not None:
+        block_id, tail_kv = tail
+        for layer, saved in zip(kv_caches, tail_kv, strict=True):
+            layer[block_id, :, :saved.shape[1]] = saved.to(device=layer.device, dtype=layer.dtype)

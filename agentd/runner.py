@@ -14,7 +14,8 @@ import torch
 
 from agentd.cache import KVCopy
 from agentd.kernels import AttentionBackend, attention_step
-from agentd.model.llama import AttentionMetadata, LlamaModel, release_free_memory
+from agentd.model.llama import AttentionMetadata, LlamaModel
+from agentd.model.onednn import release_free_memory
 from agentd.scheduler import ScheduledRequest
 
 TRIM_AFTER_TOKENS = 512  # such a step takes >= 0.3 s on CPU; trimming the heap takes ~4 ms

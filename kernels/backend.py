@@ -67,11 +67,11 @@ def get_attention_backend(name: str, device: torch.device,
         return _cpu_backend()
     if name == "triton":
         try:
-            from agentd.kernels.triton_backend import TRITON_BACKEND
+            from agentd.kernels.triton_backend import TRITON_KERNELS
         except ImportError as exc:  # pragma: no cover - depends on the install
             raise RuntimeError(
                 f"the triton attention backend is unavailable ({exc}); install it with "
                 "`pip install triton` or use --attention-backend torch"
             ) from exc
-        return TRITON_BACKEND
+        return AttentionBackend("triton", *TRITON_KERNELS)
     raise ValueError(f"unknown attention backend {name!r}: use auto, torch, cpu or triton")

@@ -19,13 +19,7 @@ from agentd.config import EngineConfig
 from agentd.kernels import matmul_dtype
 from agentd.model.dispatch import KernelChoice, calibrate, install, pick_auto
 from agentd.model.isa import CpuIsa, detect_isa
-from agentd.model.llama import (
-    LlamaModel,
-    ModelDims,
-    RotaryEmbedding,
-    pack_linears,
-    release_free_memory,
-)
+from agentd.model.llama import LlamaModel, ModelDims, RotaryEmbedding
 from agentd.model.loader import (
     ModelFiles,
     iter_state_dict,
@@ -34,6 +28,7 @@ from agentd.model.loader import (
     model_fingerprint,
     resolve_model,
 )
+from agentd.model.onednn import pack_linears, release_free_memory
 from agentd.model.quant import IntGroups
 
 logger = logging.getLogger("agentd")

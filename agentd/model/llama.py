@@ -8,10 +8,8 @@ Invariant: for the same weights, logits equal transformers' within float toleran
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +17,19 @@ from torch import nn
 
 from agentd.kernels import AttentionBackend
 from agentd.kernels.cpu import fused
+
+# CPU linear packing and heap trimming live in agentd.model.onednn; importable from here too.
+from agentd.model.onednn import (  # noqa: F401
+    ONEDNN_CACHE_ENTRIES,
+    ONEDNN_CACHE_ENTRIES_BF16,
+    PackedLinear,
+    SharedWeightLinear,
+    bound_onednn_caches,
+    pack_linears,
+    packing_unsupported,
+    release_free_memory,
+    shared_parameter_ids,
+)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -154,155 +165,6 @@ class RotaryEmbedding(nn.Module):
             out.append(torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
                        .flatten(-2))
         return out
-
-
-ONEDNN_CACHE_ENTRIES = 16  # a step's five layer shapes for three row counts
-# bfloat16 attention runs as batched GEMMs over 128-row tiles (kernels.prefill_attention), two
-# shapes per tile: a 2,048-token chunk's 32 shapes recur in every layer, so they must all fit, or
-# every product recompiles (a 2,100-token bf16 prefill: 1.7 s with 16 entries, 1.2-1.5 s with 64).
-# Costs up to ~36 MB more RSS than 16 (260 new row counts of two layer shapes: +91 vs +55 MB).
-ONEDNN_CACHE_ENTRIES_BF16 = 64
-
-
-def bound_onednn_caches(entries: int = ONEDNN_CACHE_ENTRIES,
-                        primitive_entries: int | None = None) -> None:
-    """Cap the caches in which oneDNN keeps a compiled primitive per input shape.
-
-    Why: a daemon runs a new number of rows (tokens in the step) almost every step, and both
-    caches (oneDNN's own and ideep's ``LRU_CACHE_CAPACITY``, which holds the same primitives)
-    default to 1,024 entries of ~1-2 MB each here (more for more rows), so RSS only grew: +2 MB
-    per new row count for two of the default model's layer shapes, +260 MB over one ``agentd
-    bench``. A primitive takes ~0.3 ms to create, so a small cache costs little. Both are read
-    at oneDNN's first use; values already set win. ``primitive_entries`` (default ``entries``)
-    sizes oneDNN's own cache alone.
-    """
-    os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(primitive_entries or entries))
-    os.environ.setdefault("LRU_CACHE_CAPACITY", str(entries))
-
-
-class PackedLinear(nn.Module):
-    """A CPU linear layer whose weight is reordered once into oneDNN's blocked layout.
-
-    Why: torch's CPU ``F.linear`` goes through MKL, which on this project's AMD test machine
-    runs without AVX-512; oneDNN's packed fp32 GEMM was 2-3.5x faster on the default model's
-    layer shapes (all 30 layers: batch 1 25.5 -> 11.5 ms, batch 8 35.8 -> 13.6 ms, a 2,048-token
-    prefill chunk 2.37 -> 0.95 s). Still true fp32 (differences from MKL are rounding-level), and
-    a row's result does not depend on how many rows share the call. The dense weight is dropped,
-    so memory does not grow; the layer is inference-only.
-    """
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed_weight = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
-        self.bias = None if linear.bias is None else linear.bias.detach()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [],
-                                                  "")
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN"
-
-
-class SharedWeightLinear(nn.Module):
-    """A CPU linear layer that keeps its dense weight because another module shares it (a tied
-    LM head is the embedding matrix), computed by oneDNN on that dense weight: 2.6x faster than
-    ``F.linear`` for the default model's head (49,152 x 576) at batch 1, 7.0 -> 2.6 ms per
-    decode step. Unlike :class:`PackedLinear`, a row's result may depend on the batch size, as
-    with ``F.linear``."""
-
-    def __init__(self, linear: nn.Linear) -> None:
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = linear.weight  # the shared Parameter itself
-        self.bias = linear.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else self.bias.detach()
-        return torch.ops.mkldnn._linear_pointwise(x, self.weight.detach(), bias, "none", [], "")
-
-
-def shared_parameter_ids(model: nn.Module) -> set[int]:
-    """Ids of the parameters that a module other than a linear layer owns (a tied LM head's
-    weight is the embedding's)."""
-    return {id(p) for m in model.modules() if not isinstance(m, nn.Linear)
-            for p in m.parameters(recurse=False)}
-
-
-def packing_unsupported(dtype: torch.dtype, linear: nn.Linear | None = None) -> str | None:
-    """Why oneDNN cannot pack ``dtype`` linear layers on this CPU, or None when it can: packs
-    ``linear`` (a small random one by default) and checks it against ``F.linear``.
-
-    The one probe for this path, asked by :func:`pack_linears` and by the tests. It runs the op
-    rather than reading CPU flags because the op is internal to torch and its requirements are
-    oneDNN's own: bfloat16 needs AVX512-BW/VL/DQ or AVX-NE-CONVERT, which oneDNN reads from the
-    CPU itself, so no environment variable hides it.
-    """
-    if not torch.backends.mkldnn.is_available():
-        return "this torch build has no oneDNN"
-    if linear is None:
-        linear = nn.Linear(64, 32).to(dtype)
-    try:
-        with torch.no_grad():
-            probe = torch.randn(3, linear.in_features, dtype=dtype)
-            expected = F.linear(probe, linear.weight, linear.bias)
-            got = PackedLinear(linear)(probe)
-    except (RuntimeError, AttributeError, NotImplementedError) as exc:
-        return f"oneDNN cannot pack {dtype} linear layers on this CPU: {exc}"
-    tolerance = 1e-4 if dtype == torch.float32 else 5e-2
-    if not torch.allclose(got.float(), expected.float(), atol=tolerance, rtol=tolerance):
-        return f"oneDNN's packed {dtype} linear disagrees with F.linear on this CPU"
-    return None
-
-
-def pack_linears(model: nn.Module) -> int:
-    """Swap every ``nn.Linear`` of a CPU fp32/bf16 model for a :class:`PackedLinear`, after a
-    self-check against ``F.linear``; returns how many were packed (0 when oneDNN is missing or
-    disagrees). A linear sharing its weight with another module (a tied LM head) becomes a
-    :class:`SharedWeightLinear` instead (not counted), so the shared tensor stays dense."""
-    slots = [(parent, name) for parent in model.modules()
-             for name, child in parent.named_children() if type(child) is nn.Linear]
-    if not slots or not torch.backends.mkldnn.is_available():
-        return 0
-    first = getattr(*slots[0])
-    bound_onednn_caches(primitive_entries=ONEDNN_CACHE_ENTRIES_BF16
-                        if first.weight.dtype == torch.bfloat16 else None)
-    if first.weight.device.type != "cpu" or first.weight.dtype not in (torch.float32,
-                                                                       torch.bfloat16):
-        return 0
-    shared = shared_parameter_ids(model)
-    if packing_unsupported(first.weight.dtype, first) is not None:
-        return 0
-    del first
-    num_packed = 0
-    for parent, name in slots:  # one at a time, so each dense weight is freed as it is packed
-        child = getattr(parent, name)
-        if id(child.weight) in shared:
-            setattr(parent, name, SharedWeightLinear(child))
-            continue
-        setattr(parent, name, PackedLinear(child))
-        del child
-        num_packed += 1
-    return num_packed
-
-
-_libc: Any = None
-
-
-def release_free_memory() -> None:
-    """Hand freed heap memory back to the OS: glibc keeps it otherwise, ~210 MB of RSS after
-    loading the default model (dense weights, reads), ~50-90 MB after a long prefill step
-    (activations). Takes ~1-5 ms. A no-op off glibc."""
-    global _libc
-    try:
-        if _libc is None:
-            import ctypes
-
-            _libc = ctypes.CDLL("libc.so.6")
-        _libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 class RMSNorm(nn.Module):

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from agentd.model.errors import ModelLoadError, UnsupportedModelError
+
 if TYPE_CHECKING:
     import torch
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -31,14 +33,6 @@ _HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer.model", "*.tiktoken", "*.
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 # Keys that say where or with which library version a config was loaded, not what the model is.
 _VOLATILE_CONFIG_KEYS = frozenset({"transformers_version"})
-
-
-class ModelLoadError(Exception):
-    """A model could not be found or loaded; the message says what to do."""
-
-
-class UnsupportedModelError(ModelLoadError):
-    """The model's architecture is not one agentd implements."""
 
 
 @dataclass(frozen=True)

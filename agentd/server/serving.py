@@ -20,10 +20,11 @@ import msgspec
 from litestar import Request
 from litestar.response import Stream
 
-from agentd.async_engine import AsyncEngine, EngineBusyError, EngineDeadError, RequestStream
+from agentd.async_engine import AsyncEngine, EngineBusyError, EngineDeadError
 from agentd.outputs import StreamDelta
 from agentd.pins import tenant_salt
 from agentd.request import EngineRequest
+from agentd.request_stream import RequestStream
 from agentd.server.errors import APIError
 
 T = TypeVar("T")

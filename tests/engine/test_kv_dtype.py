@@ -18,8 +18,7 @@ from agentd.kernels.kv_write import reference_write_kv
 from agentd.kernels.prefill_attention import reference_prefill_attention, torch_prefill_attention
 from agentd.kv_sizing import resolve_kv_dtype
 from agentd.llm import LLM
-from agentd.pin_snapshots import read_snapshot, write_snapshot
-from agentd.pins import SnapshotMismatch
+from agentd.pin_snapshots import SnapshotMismatch, read_snapshot, write_snapshot
 from agentd.request import EngineRequest
 from agentd.sampling_params import SamplingParams
 

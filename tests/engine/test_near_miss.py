@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from agentd.pins import (
+from agentd.near_miss import (
     CAUSE_DATE_TIME,
     CAUSE_TEMPLATE,
     CAUSE_TEXT,

@@ -179,7 +179,7 @@ def test_a_group_attends_each_row_to_the_shared_blocks_and_its_own_tail_only(dty
 def test_without_the_flash_op_shared_keys_join_one_masked_call() -> None:
     """The fallback for a torch without the internal flash op: a group's shared keys join each
     chunk's own (the causal offset grows to match) for one SDPA call, as if never split."""
-    from agentd.kernels.prefill_attention import _sdpa_one_call
+    from agentd.kernels.prefill_cpu import _sdpa_one_call
 
     gen = torch.Generator().manual_seed(8)
     query = torch.randn(20, 9, 32, generator=gen)

@@ -20,12 +20,15 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
 from dataclasses import dataclass, field
 
-from agentd.async_engine import RequestStream
 from agentd.outputs import StreamDelta
+from agentd.request_stream import RequestStream
 from agentd.server.errors import APIError
 from agentd.server.serving import delta_error, exception_error
 from agentd.server.tool_calls import Piece, ToolCallAssembler, ToolMode
-from agentd.tool_parser import CallStartEvent, ParsedToolCall
+from agentd.tool_parser import CallArgumentsEvent as CallArguments
+from agentd.tool_parser import CallStartEvent as CallStart
+from agentd.tool_parser import ContentEvent as Text
+from agentd.tool_parser import ParsedToolCall
 
 OnFinish = Callable[[StreamDelta, str], None]  # (last delta, finish reason): metrics, key stats
 
@@ -33,24 +36,6 @@ OnFinish = Callable[[StreamDelta, str], None]  # (last delta, finish reason): me
 @dataclass(frozen=True)
 class Started:
     first: StreamDelta  # what the cache served is known from the first delta on
-
-
-@dataclass(frozen=True)
-class Text:
-    text: str
-
-
-@dataclass(frozen=True)
-class CallStart:
-    index: int
-    id: str
-    name: str
-
-
-@dataclass(frozen=True)
-class CallArguments:
-    index: int
-    text: str
 
 
 @dataclass(frozen=True)
@@ -67,6 +52,7 @@ class Failed:
     complete: bool  # the output reached its end first (open blocks are closed before it)
 
 
+# Text, CallStart and CallArguments are agentd.tool_parser's events, as the parser releases them.
 Event = Started | Text | CallStart | CallArguments | Finished | Failed
 
 
@@ -105,11 +91,8 @@ async def events(deltas: RequestStream, tool_mode: ToolMode,
 
 
 def _event(piece: Piece) -> Event:
-    if isinstance(piece, str):
-        return Text(piece)
-    if isinstance(piece, CallStartEvent):
-        return CallStart(piece.index, piece.id, piece.name)
-    return CallArguments(piece.index, piece.text)
+    """The tool-call parser's pieces are the stream's: text, a call's start, its arguments."""
+    return Text(piece) if isinstance(piece, str) else piece
 
 
 @dataclass

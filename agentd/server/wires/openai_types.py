@@ -205,6 +205,14 @@ class ChatCompletionMessage(msgspec.Struct, kw_only=True):
     tool_calls: list[ToolCall] | UnsetType = UNSET  # omitted when the reply has none
 
 
+class _Reply(msgspec.Struct, kw_only=True):
+    """What every chat and text completion reply, whole or chunk, starts with."""
+
+    id: str
+    created: int
+    model: str
+
+
 class ChatCompletionChoice(msgspec.Struct, kw_only=True):
     index: int
     message: ChatCompletionMessage
@@ -212,10 +220,7 @@ class ChatCompletionChoice(msgspec.Struct, kw_only=True):
     logprobs: None = None
 
 
-class ChatCompletion(msgspec.Struct, kw_only=True):
-    id: str
-    created: int
-    model: str
+class ChatCompletion(_Reply, kw_only=True):
     choices: list[ChatCompletionChoice]
     usage: Usage
     object: str = "chat.completion"
@@ -247,10 +252,7 @@ class ChatCompletionChunkChoice(msgspec.Struct, kw_only=True):
     logprobs: None = None
 
 
-class ChatCompletionChunk(msgspec.Struct, kw_only=True):
-    id: str
-    created: int
-    model: str
+class ChatCompletionChunk(_Reply, kw_only=True):
     choices: list[ChatCompletionChunkChoice]
     usage: Usage | None = None
     object: str = "chat.completion.chunk"
@@ -264,20 +266,14 @@ class CompletionChoice(msgspec.Struct, kw_only=True):
     logprobs: None = None
 
 
-class Completion(msgspec.Struct, kw_only=True):
-    id: str
-    created: int
-    model: str
+class Completion(_Reply, kw_only=True):
     choices: list[CompletionChoice]
     usage: Usage
     object: str = "text_completion"
     system_fingerprint: str | None = None
 
 
-class CompletionChunk(msgspec.Struct, kw_only=True):
-    id: str
-    created: int
-    model: str
+class CompletionChunk(_Reply, kw_only=True):
     choices: list[CompletionChoice]
     usage: Usage | None = None
     object: str = "text_completion"

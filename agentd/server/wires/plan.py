@@ -38,7 +38,7 @@ from agentd.server.wires.events import Event, events
 if TYPE_CHECKING:
     from litestar import Request
 
-    from agentd.async_engine import RequestStream
+    from agentd.request_stream import RequestStream
     from agentd.server.state import ServerState
 
 

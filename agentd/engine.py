@@ -1,5 +1,11 @@
 """The synchronous engine: requests in, one scheduled step at a time, deltas out.
 
+A step is schedule -> run -> process, as nano-vllm and vLLM v1 do it: the scheduler picks the
+rows and the KV copies they need (:mod:`agentd.scheduler`), the runner copies and runs one
+forward (:mod:`agentd.runner`), the sampler draws under the output constraints, the output
+processor appends the tokens and decides who finished (:mod:`agentd.output_processor`), and the
+scheduler then caches and frees blocks. ``docs/lifecycle.md`` follows one request through it.
+
 Invariant: every request added ends with exactly one delta whose ``finish_reason`` is set, and by
 then its blocks are back in the pool. Not thread-safe: :mod:`agentd.async_engine` drives it from
 one thread.

@@ -20,6 +20,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+from agentd.structured.formats import tighten_formats
 from agentd.structured.params import (
     CALL_CLOSING,
     CALL_SEPARATOR,
@@ -138,12 +139,13 @@ def _arguments_grammar(function: FunctionSpec) -> str:
 
 def _json_grammar(schema: Any, what: str, any_whitespace: bool = False) -> str:
     """EBNF text for JSON valid against ``schema`` (compact unless ``any_whitespace``), its
-    numbers bounded (``agentd.structured.repetition``)."""
+    numbers bounded (``agentd.structured.repetition``) and its dates and times RFC 3339's
+    (``agentd.structured.formats``)."""
     import xgrammar as xgr
 
     try:
         grammar = xgr.Grammar.from_json_schema(
-            json.dumps(schema), any_whitespace=any_whitespace,
+            json.dumps(tighten_formats(schema)), any_whitespace=any_whitespace,
             separators=None if any_whitespace else JSON_SEPARATORS, strict_mode=True)
     except Exception as exc:
         raise GrammarError(f"{what} cannot be compiled: {_reason(exc)}") from exc

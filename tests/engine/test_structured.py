@@ -137,7 +137,7 @@ def test_a_grammar_dead_end_ends_the_request_with_an_error(llm: LLM,
     engine = llm.engine
     grammar = engine.grammars.compile(StructuredOutputsParams(choice=["yes", "no"]))
     rid = engine.add_request(EngineRequest(prompts[0], greedy(), grammar=grammar))
-    matcher = engine.structured._matchers[rid]
+    matcher = engine.structured._requests[rid].matcher
     for token_id in llm.tokenizer("yes", add_special_tokens=False).input_ids + [2]:
         assert matcher.accept_token(token_id)  # complete and terminated: nothing is legal now
     deltas = []

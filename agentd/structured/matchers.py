@@ -14,8 +14,10 @@ near its budget is closed by one rule, the shortest way to the end of its gramma
 - ``GUARD_TOKENS`` before it has only that cost left, the request may write only content (what
   leaves the way out as it is: a string's letters, a fraction's digits) or the way's next token:
   it opens no new structure (a key, an item, a call), so the cost cannot rise.
-- With the cost plus ``CLOSING_MARGIN`` left, each row allows one token: the longest start of the
-  way (free choices, forced text: keys, braces, the call's closing tag), then the stop token.
+- With the cost plus a margin left (``CLOSING_MARGIN``, and a tenth of a long way: jump-forward
+  splits forced text as the tokenizer does), each row allows one token: the longest start of
+  the way (free choices, forced text: keys, braces, the call's closing tag), then the stop token.
+  A guarded row with nothing left to allow is held so too.
 
 The costs are checked within ``CLOSING_HORIZON`` tokens of the budget (or twice the last known
 cost, if that is more), and a search result is reused while the output follows its way or adds
@@ -35,7 +37,8 @@ from agentd.structured.closing import Closing, ClosingSearch, Vocab, allowed
 from agentd.structured.repetition import loop_tokens
 
 CLOSING_HORIZON = 64  # budgets (tokens left) at which the cost of closing is checked
-CLOSING_MARGIN = 4  # tokens left beyond the estimate (jump-forward may split text otherwise)
+CLOSING_MARGIN = 4  # tokens left beyond the estimate (jump-forward may split text otherwise),
+MARGIN_PER_TOKEN = 0.1  # and a tenth more of a long way
 GUARD_TOKENS = 16  # before closing: content only, no new structure
 
 
@@ -107,7 +110,7 @@ class StructuredOutputs:
             if req.last_cost is None and budget > CLOSING_HORIZON:  # learn what closing costs
                 plan = None if self._is_free_text(req) else self._plan(req)
                 req.last_cost = 0 if plan is None else plan.num_tokens
-            horizon = 2 * (req.last_cost or 0) + CLOSING_MARGIN + GUARD_TOKENS
+            horizon = 2 * (req.last_cost or 0) + _margin(req.last_cost or 0) + GUARD_TOKENS
             if budget > max(CLOSING_HORIZON, horizon):
                 return False
         if req.matcher.is_completed():  # it may end here: between calls, or in free text
@@ -116,9 +119,9 @@ class StructuredOutputs:
             req.hold = Hold.CLOSE  # no new call on what is left
             return True
         plan = self._plan(req)
-        if plan is None or budget <= plan.num_tokens + CLOSING_MARGIN:
+        if plan is None or budget <= plan.num_tokens + _margin(plan.num_tokens):
             req.hold = Hold.CLOSE  # (no way known: close at once)
-        elif budget <= plan.num_tokens + CLOSING_MARGIN + GUARD_TOKENS:
+        elif budget <= plan.num_tokens + _margin(plan.num_tokens) + GUARD_TOKENS:
             req.hold = Hold.GUARD
         return req.hold is not None
 
@@ -292,8 +295,8 @@ class StructuredOutputs:
 
     def _hold(self, request_id: str, row: torch.Tensor) -> None:
         """Hold a row of a request near its budget as ``needs_closing`` decided: to the next
-        token of the way out (close), or to content and that token (guard). A row that would
-        be left empty keeps the grammar's mask."""
+        token of the way out (close), or to content and that token (guard). Where the way
+        cannot go on, the row keeps the grammar's mask."""
         req = self._requests[request_id]
         stops = [t for t in self._stop_ids if allowed(row, t)]
         if stops:
@@ -301,21 +304,23 @@ class StructuredOutputs:
             _set_allowed(keep, stops[0], True)
             row.copy_(keep)
             return
-        plan = self._plan(req, exact=req.hold is Hold.CLOSE)
-        if plan is None or self._search is None:
+        vocab = self.closing_search.vocab if self.closing_search is not None else None
+        if vocab is None:
             return
-        vocab = self._search.vocab
-        keep = torch.zeros_like(row)
         if req.hold is Hold.GUARD:
-            keep = row & vocab.content_mask(plan.content)
-            for token_id in vocab.prefix_ids(plan.text):
-                _set_allowed(keep, token_id, allowed(row, token_id))
-        else:
-            token_id = vocab.longest(plan.text, row)
-            if token_id is not None:
-                _set_allowed(keep, token_id, True)
-        if bool(keep.any()):
-            row.copy_(keep)
+            plan = self._plan(req)
+            if plan is not None:
+                keep = row & vocab.content_mask(plan.content)
+                for token_id in vocab.prefix_ids(plan.text):
+                    _set_allowed(keep, token_id, allowed(row, token_id))
+                if bool(keep.any()):
+                    row.copy_(keep)
+                    return
+        plan = self._plan(req, exact=True)  # (a guard with nothing left: the way from here)
+        token_id = None if plan is None else vocab.longest(plan.text, row)
+        if token_id is not None:
+            row.zero_()
+            _set_allowed(row, token_id, True)
 
     def _bitmask_rows(self, num_rows: int) -> torch.Tensor:
         if self._bitmask is None or self._bitmask.shape[0] < num_rows:
@@ -323,6 +328,10 @@ class StructuredOutputs:
 
             self._bitmask = xgr.allocate_token_bitmask(max(num_rows, 8), self.vocab_size)
         return self._bitmask[:num_rows]
+
+
+def _margin(cost: int) -> int:
+    return CLOSING_MARGIN + int(MARGIN_PER_TOKEN * cost)
 
 
 def _ban_loop(row: torch.Tensor, output_ids: Sequence[int]) -> None:

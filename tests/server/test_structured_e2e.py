@@ -309,3 +309,64 @@ def test_langchain_bind_tools_and_structured_output(daemon: str) -> None:
     assert call["name"] == "get_weather" and isinstance(call["args"]["city"], str)
     weather = llm.with_structured_output(Weather).invoke("In Oslo it is 4 degrees Celsius.")
     assert isinstance(weather, Weather)
+
+
+# --- unbounded formats end within max_tokens -----------------------------------------------
+
+TIME_TOOLS: list[dict[str, Any]] = [{"type": "function", "function": {
+    "name": "query_prometheus", "description": "Run a PromQL query over a time range",
+    "parameters": {"type": "object", "required": ["query", "time_range"], "properties": {
+        "query": {"type": "string", "description": "PromQL expression"},
+        "time_range": {"type": "object", "required": ["start", "end"], "properties": {
+            "start": {"type": "string", "format": "date-time"},
+            "end": {"type": "string", "format": "date-time"}}},
+        "dashboard": {"type": "string", "format": "uri"}}}}}]
+TIME_PROMPTS = ["What was the p99 latency of checkout between 2pm and 3pm yesterday?",
+                "Query the error rate from 2023-02-03T14:42:28.322912Z on, and link the "
+                "dashboard."]
+
+
+@pytest.fixture(scope="module")
+def time_call_estimate(default_model_dir) -> int:
+    """What closing says the shortest call to ``TIME_TOOLS`` takes, on the default model's
+    tokenizer (the model's weights do not enter it)."""
+    from transformers import AutoTokenizer
+
+    from agentd.structured.compiler import GrammarCompiler
+    from agentd.structured.matchers import StructuredOutputs
+    from agentd.structured.params import tool_calls_params
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    structured = StructuredOutputs(len(tokenizer), compiler.decoded_vocab,
+                                   [tokenizer.eos_token_id])
+    params = tool_calls_params(TIME_TOOLS, {"type": "function",
+                                            "function": {"name": "query_prometheus"}})
+    assert params is not None
+    structured.add("estimate", compiler.compile(params))
+    cost = structured.cost_to_close("estimate")
+    assert cost is not None
+    return cost
+
+
+@pytest.mark.parametrize("budget", ["tight", "issue's"])
+def test_calls_with_date_times_and_uris_end_and_validate(client: openai.OpenAI,
+                                                         time_call_estimate: int,
+                                                         budget: str) -> None:
+    """A call forced by name to a tool with date-time and uri fields, sampled: it ends with
+    its call, whose arguments parse and validate, formats checked (issue 22: fractional
+    seconds written until max_tokens ran out). ``max_tokens``: a few tokens past the estimate,
+    or the issue's 200."""
+    schema = TIME_TOOLS[0]["function"]["parameters"]
+    max_tokens = time_call_estimate + 8 if budget == "tight" else 200
+    for seed, prompt in enumerate(TIME_PROMPTS):
+        reply = client.chat.completions.create(
+            model=MODEL, temperature=0.7, seed=seed, max_tokens=max_tokens, tools=TIME_TOOLS,
+            tool_choice={"type": "function", "function": {"name": "query_prometheus"}},
+            messages=[{"role": "user", "content": prompt}])
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls", (max_tokens, choice)
+        (call,) = choice.message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), schema,
+                            format_checker=jsonschema.Draft202012Validator.FORMAT_CHECKER)
+        assert reply.usage.completion_tokens <= max_tokens

@@ -66,7 +66,7 @@ def way_out(search: ClosingSearch, compiler: GrammarCompiler, params: Structured
     (field({"type": "string", "format": "uri"}), '{"v": "https://example.com/a/b', b'"}'),
     (field({"type": "string", "format": "hostname"}), '{"v": "api.example', b'"}'),
     (field({"type": "string", "format": "email"}), '{"v": "john.smith', b'@z"}'),
-    (field({"type": "string", "format": "ipv4"}), '{"v": "10.', b'9.9.9"}'),  # octets alike
+    (field({"type": "string", "format": "ipv4"}), '{"v": "10.', b'0.0.0"}'),  # octets alike
     (field({"type": "string", "minLength": 5}), '{"v": "ab', b'~~~"}'),  # a hidden count
     (field({"type": "string", "pattern": "^[a-z]+-[0-9]{3,}$"}), '{"v": "abc-1', b'99"}'),
     (field({"type": "array", "items": {"type": "array", "items": {"type": "integer"}}}),

@@ -13,6 +13,7 @@ import jsonschema
 import pytest
 
 from agentd.llm import LLM
+from agentd.request import EngineRequest
 from agentd.sampling_params import SamplingParams
 from agentd.structured.params import FunctionSpec, StructuredOutputsParams, ToolCallsSpec
 
@@ -49,7 +50,7 @@ SCHEMAS: dict[str, dict[str, Any]] = {
 def run(llm: LLM, prompt: list[int], params: list[SamplingParams]) -> list[tuple[str, str]]:
     """Step the engine over one request per params; each one's (text, finish reason)."""
     engine = llm.engine
-    ids = [engine.add_request(prompt, p) for p in params]
+    ids = [engine.add_request(EngineRequest(prompt, p)) for p in params]
     texts: dict[str, list[str]] = {rid: [] for rid in ids}
     reasons: dict[str, str] = {}
     while engine.has_unfinished_requests():

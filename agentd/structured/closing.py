@@ -45,7 +45,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-MAX_NODES = 1024  # states a search may reach before it gives up
+MAX_NODES = 8192  # states a search may reach before it gives up (~25 us each)
 MAX_BRANCHES = 16  # groups of next characters tried from one state
 MAX_STALE_RUN = 16  # content followed this far past the last state that led anywhere new
 MAX_VISITS = 10  # if nothing is found, a state that looks like one already searched from is
@@ -300,7 +300,7 @@ class ClosingSearch:
                 continue
             segment = node.segment
             if len(forced) >= MIN_SEGMENT_BYTES:
-                segment = segments.setdefault((node.segment, forced), len(segments) + 1)
+                segment = segments.setdefault((0, forced), len(segments) + 1)
             children.append(_Node(node.cost + 1 + self.vocab.num_tokens(forced), next(seq),
                                   node.text + char + forced, segment, sig,
                                   (sig, items, segment), 0, node))

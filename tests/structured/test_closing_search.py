@@ -6,6 +6,7 @@ and its estimate is the way's length in tokens."""
 from __future__ import annotations
 
 import json
+import string
 
 import pytest
 import xgrammar as xgr
@@ -115,3 +116,30 @@ def test_the_way_from_the_start_is_kept_per_grammar(search: ClosingSearch,
     num_searches = search.num_searches
     assert search.search(search.shadow(grammar), grammar, at_start=True) is first
     assert search.num_searches == num_searches
+
+
+@pytest.mark.parametrize("workload", ["coding_agent", "support_agent", "research_agent"])
+def test_every_packaged_tool_has_a_way_out_from_inside_its_first_string(
+        search: ClosingSearch, compiler: GrammarCompiler, workload: str) -> None:
+    """A named call to each packaged tool, stopped inside the first string it opens (where a
+    small model loops), has a way out. create_return's keys, sorted, put an optional string
+    first, and a search that told states apart by every forced text on its way ran out of
+    states there (the model then wrote digits until max_tokens)."""
+    from importlib import resources
+
+    data = json.loads(resources.files("agentd.workloads").joinpath(f"{workload}.json")
+                      .read_text())
+    for tool in data["tools"]:
+        function = FunctionSpec.build(tool["function"]["name"], tool["function"]["parameters"])
+        params = StructuredOutputsParams(tool_calls=ToolCallsSpec((function,), "required",
+                                                                  parallel=False))
+        grammar = compiler.compile(params)
+        matcher, written = xgr.GrammarMatcher(grammar), ""
+        while not (written.endswith(('": "', '["')) and '"arguments": {' in written):
+            step = matcher.find_jump_forward_string() or next(
+                c for c in '",]}1' + string.ascii_lowercase if matcher.fork().accept_string(c))
+            assert matcher.accept_string(step) and len(written) < 400
+            written += step
+        for content in ("", "12345678"):  # (where the string takes any text)
+            if matcher.fork().accept_string(content):
+                assert way_out(search, compiler, params, written + content).endswith(b"</tool_call>")

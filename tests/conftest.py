@@ -8,8 +8,9 @@ a Qwen2.5-style one that renders tools inside ``<tools></tools>`` in the system 
 Llama-3.1-style one that puts them in the first user turn.
 
 ``daemon_process`` hands tests the one way they start a real daemon: ``python -m agentd.cli
-start`` on a free loopback port, exactly as a user runs it; ``serve`` runs an app under uvicorn
-in a thread instead, and ``poll`` waits for a condition.
+start`` on a free loopback port, exactly as a user runs it, and ``default_daemon`` is the one
+such daemon with the default model that the end-to-end modules share; ``serve`` runs an app
+under uvicorn in a thread instead, and ``poll`` waits for a condition.
 """
 
 from __future__ import annotations
@@ -296,3 +297,14 @@ def free_port_fixture():
 def daemon_process() -> type[DaemonProcess]:
     """The :class:`DaemonProcess` class (test modules cannot import from conftest)."""
     return DaemonProcess
+
+
+@pytest.fixture(scope="session")
+def default_daemon(tmp_path_factory) -> Iterator[DaemonProcess]:
+    """One ``agentd start`` with the default model and its default settings, shared by every
+    end-to-end module that needs nothing else of a daemon (no pool size of its own, no
+    restart): loading the default model is most of such a module's cost. A module that
+    registers something on it names it its own way; it must exit 0 at the end of the session."""
+    with DaemonProcess(tmp_path_factory.mktemp("default-daemon") / "state",
+                       "--log-level", "warning") as daemon:
+        yield daemon

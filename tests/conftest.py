@@ -167,6 +167,16 @@ def tiny_model_factory(tmp_path_factory, default_model_dir):
     return make
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under ``pytest -n N`` each worker, and every daemon it starts, takes its share of the
+    cores: N workers that each ran torch on every core would spin against each other."""
+    num_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if num_workers > 1:
+        num_threads = max(1, len(os.sched_getaffinity(0)) // num_workers)
+        os.environ["OMP_NUM_THREADS"] = str(num_threads)  # for the daemons it starts
+        torch.set_num_threads(num_threads)
+
+
 # Tests that run tiny models in-process run single-threaded: tiny models gain nothing from
 # threads, and on a busy 2-core machine OpenMP's spin-waiting makes a 2-thread forward of a tiny
 # model up to 100x slower.

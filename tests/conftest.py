@@ -8,8 +8,9 @@ a Qwen2.5-style one that renders tools inside ``<tools></tools>`` in the system 
 Llama-3.1-style one that puts them in the first user turn.
 
 ``daemon_process`` hands tests the one way they start a real daemon: ``python -m agentd.cli
-start`` on a free loopback port, exactly as a user runs it; ``serve`` runs an app under uvicorn
-in a thread instead, and ``poll`` waits for a condition.
+start`` on a free loopback port, exactly as a user runs it, and ``default_daemon`` is the one
+such daemon with the default model that the end-to-end modules share; ``serve`` runs an app
+under uvicorn in a thread instead, and ``poll`` waits for a condition.
 """
 
 from __future__ import annotations
@@ -166,6 +167,16 @@ def tiny_model_factory(tmp_path_factory, default_model_dir):
     return make
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under ``pytest -n N`` each worker, and every daemon it starts, takes its share of the
+    cores: N workers that each ran torch on every core would spin against each other."""
+    num_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if num_workers > 1:
+        num_threads = max(1, len(os.sched_getaffinity(0)) // num_workers)
+        os.environ["OMP_NUM_THREADS"] = str(num_threads)  # for the daemons it starts
+        torch.set_num_threads(num_threads)
+
+
 # Tests that run tiny models in-process run single-threaded: tiny models gain nothing from
 # threads, and on a busy 2-core machine OpenMP's spin-waiting makes a 2-thread forward of a tiny
 # model up to 100x slower.
@@ -296,3 +307,14 @@ def free_port_fixture():
 def daemon_process() -> type[DaemonProcess]:
     """The :class:`DaemonProcess` class (test modules cannot import from conftest)."""
     return DaemonProcess
+
+
+@pytest.fixture(scope="session")
+def default_daemon(tmp_path_factory) -> Iterator[DaemonProcess]:
+    """One ``agentd start`` with the default model and its default settings, shared by every
+    end-to-end module that needs nothing else of a daemon (no pool size of its own, no
+    restart): loading the default model is most of such a module's cost. A module that
+    registers something on it names it its own way; it must exit 0 at the end of the session."""
+    with DaemonProcess(tmp_path_factory.mktemp("default-daemon") / "state",
+                       "--log-level", "warning") as daemon:
+        yield daemon

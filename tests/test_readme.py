@@ -10,13 +10,14 @@ variables), in a scratch directory that holds the repository's ``.venv`` and ``e
 
 from __future__ import annotations
 
-import os
 import re
 import shlex
 import subprocess
 from pathlib import Path
 
 import pytest
+
+from agentd.bench.spawn import child_environ
 
 ROOT = Path(__file__).resolve().parents[1]
 READMES = [ROOT / "README.md", ROOT / "examples" / "agents" / "README.md"]
@@ -89,7 +90,7 @@ def test_the_readme_quickstart_runs_as_written(tmp_path: Path, tiny_model_factor
     for name in (".venv", "examples"):
         (work / name).symlink_to(ROOT / name)
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")}
+    env = child_environ()
     env.update(AGENTD_PORT=str(port), AGENTD_URL=f"http://127.0.0.1:{port}",
                AGENTD_HOME=str(tmp_path / "state"), AGENTD_KV_CACHE_MEMORY="48MiB",
                AGENTD_MODEL=str(tiny_model_factory("llama")))

@@ -3,8 +3,9 @@
 ``SpawnedDaemon`` runs ``python -m agentd.cli start`` on a free loopback port with its own state
 dir. ``start()`` waits for ``/health`` 200; after ``kill()`` (SIGKILL: no cleanup at all) or
 ``stop()`` (graceful), ``start()`` runs it again on the same port and state dir, so restarts
-restore what the last run saved. The child sees none of the caller's ``AGENTD_*`` variables,
-only ``env``: a developer's own daemon settings never leak into a measurement or a test.
+restore what the last run saved. The child sees none of the caller's ``AGENTD_*`` variables but
+``AGENTD_CACHE_DIR`` (where converted models and compiled kernels are kept, which changes no
+output), only ``env``: a developer's own daemon settings never leak into a measurement or a test.
 """
 
 from __future__ import annotations
@@ -27,6 +28,15 @@ class DaemonNotReady(RuntimeError):
     """The daemon exited or did not answer in time; the message ends with its log."""
 
 
+KEPT_VARIABLES = ("AGENTD_CACHE_DIR",)
+
+
+def child_environ() -> dict[str, str]:
+    """This process's environment without its ``AGENTD_*`` settings (but the cache dir)."""
+    return {k: v for k, v in os.environ.items()
+            if not k.startswith("AGENTD_") or k in KEPT_VARIABLES}
+
+
 def free_port() -> int:
     """A loopback port nothing listens on (at the time of the call)."""
     with socket.socket() as sock:
@@ -45,7 +55,7 @@ class SpawnedDaemon:
         self.args = args
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")}
+        self.env = child_environ()
         self.env.update(env or {})
         self.ready_timeout_s = ready_timeout_s
         self.log_path = log_path or self.state_dir.parent / f"{self.state_dir.name}-daemon.log"

@@ -18,6 +18,9 @@ def test_lifetime_mark_is_never_below_a_sampled_peak(monkeypatch) -> None:
         return values.pop(0) if len(values) > 1 else values[0]
 
     monkeypatch.setattr(rss, "read_status_bytes", fake)
+    # the readings are this process's alone: a pytest worker may have children (the daemon a
+    # session fixture started), whose reads would take readings from the list
+    monkeypatch.setattr(rss, "descendants", lambda pid: [])
     sampler = RssSampler(os.getpid())
     sampler.reset()
     sampler.sample()

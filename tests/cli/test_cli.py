@@ -22,7 +22,7 @@ from agentd.cli import COMMANDS, main
 @pytest.fixture
 def runner(monkeypatch, tmp_path, free_port) -> CliRunner:
     """A runner with no AGENTD_* settings from the caller's environment and its own state dir."""
-    for name in [n for n in os.environ if n.startswith("AGENTD_")]:
+    for name in [n for n in os.environ if n.startswith("AGENTD_") and n != "AGENTD_CACHE_DIR"]:
         monkeypatch.delenv(name)
     monkeypatch.setenv("AGENTD_HOME", str(tmp_path / "state"))
     monkeypatch.setenv("AGENTD_URL", f"http://127.0.0.1:{free_port()}")  # nothing listens

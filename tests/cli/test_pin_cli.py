@@ -22,7 +22,7 @@ BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4  # tiny llama: layers * K/V * block * kv h
 @pytest.fixture
 def runner(monkeypatch, free_port) -> CliRunner:
     """No AGENTD_* settings from the caller; AGENTD_URL points where nothing listens."""
-    for name in [n for n in os.environ if n.startswith("AGENTD_")]:
+    for name in [n for n in os.environ if n.startswith("AGENTD_") and n != "AGENTD_CACHE_DIR"]:
         monkeypatch.delenv(name)
     monkeypatch.setenv("AGENTD_URL", f"http://127.0.0.1:{free_port()}")
     return CliRunner()

@@ -8,15 +8,15 @@ with two turns / two agents and a few output tokens each.
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 from importlib import resources
 from pathlib import Path
 
 import pytest
+
+from agentd.bench.spawn import child_environ
 
 pytestmark = pytest.mark.slow
 
@@ -24,11 +24,10 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "agents"
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory, daemon_process) -> Iterator[tuple[str, Path]]:
-    """``python -m agentd.cli start`` with the default model; yields (base URL, work dir)."""
-    root = tmp_path_factory.mktemp("agentd-examples")
-    with daemon_process(root / "state", "--log-level", "warning") as daemon:
-        yield daemon.url, root
+def daemon(tmp_path_factory, default_daemon) -> tuple[str, Path]:
+    """(base URL of the shared ``python -m agentd.cli start`` with the default model, a work
+    dir)."""
+    return default_daemon.url, tmp_path_factory.mktemp("agentd-examples")
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +42,7 @@ def small_workload(daemon: tuple[str, Path]) -> Path:
 
 
 def run_example(script: str, url: str, *args: str) -> str:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AGENTD_")}
+    env = child_environ()
     done = subprocess.run([sys.executable, str(EXAMPLES / script), "--base-url", f"{url}/v1",
                            *args], capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr

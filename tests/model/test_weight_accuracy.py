@@ -9,6 +9,12 @@ may send a 24-row step to the dense fp32 twin, which would measure the exact mod
 logits check runs even the prefill through the kernel). ``--weights auto`` chooses only among
 ``ACCURATE_FORMATS``: the test fails if a listed format misses the bar or an unlisted one meets
 it, so the list is what was measured.
+
+The whole sweep (24 prompts x 32 tokens per format, batched and one at a time) is a measurement
+of minutes on 2 cores: it runs with ``pytest -m full`` (README, "Weight formats"), after any
+change to attention, norms or a format's kernel. CI keeps its first check for the listed formats,
+one prefill each: their logits within the bound (the check a broken kernel or an LM head
+quantized to 4 bits misses by far); each format serving a tiny model is tests/model/test_quant.py.
 """
 
 from __future__ import annotations
@@ -75,9 +81,15 @@ def kernel_up_to(llm: LLM, rows: int | None) -> None:
 
 
 @pytest.fixture(scope="module")
-def exact() -> tuple[LLM, list[list[int]], list[list[int]]]:
+def prompts() -> list[list[int]]:
+    from agentd.model.loader import load_tokenizer, resolve_model
+
+    return agent_prompts(load_tokenizer(resolve_model(None)))
+
+
+@pytest.fixture(scope="module")
+def exact(prompts) -> tuple[LLM, list[list[int]], list[list[int]]]:
     llm = make_llm("float32")
-    prompts = agent_prompts(llm.tokenizer)
     return llm, prompts, [out.token_ids for out in llm.generate(prompts, GREEDY)]
 
 
@@ -95,9 +107,8 @@ def prompt_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
-def logit_bound(exact, default_model_dir: Path) -> tuple[list[int], torch.Tensor, float]:
+def logit_bound(prompts, default_model_dir: Path) -> tuple[list[int], torch.Tensor, float]:
     """An uncached prompt, transformers' fp32 logits on it, and twice its bf16 error."""
-    _, prompts, _ = exact
     prompt = prompts[NUM_TURNS - 1][:-1]  # a prefix no run has cached whole
     hf_model = transformers.AutoModelForCausalLM.from_pretrained(
         default_model_dir, dtype=torch.float32).eval()
@@ -115,6 +126,22 @@ def _share(value: float | None) -> str:
     return "not run (an earlier check missed)" if value is None else f"{value:.0%}"
 
 
+def max_logit_error(weights: str, logit_bound) -> float:
+    """|logits - fp32 oracle| at most, every row (the prefill's too) through the kernel."""
+    prompt, oracle, _ = logit_bound
+    llm = make_llm(weights)
+    kernel_up_to(llm, None)
+    return (prompt_logits(llm, prompt) - oracle).abs().max().item()
+
+
+@pytest.mark.parametrize("weights", ACCURATE_FORMATS)
+def test_accurate_formats_keep_logits_within_the_bound(weights: str, logit_bound) -> None:
+    error, bound = max_logit_error(weights, logit_bound), logit_bound[2]
+    print(f"\n{weights}: max |logit - fp32 oracle| {error:.3f} (bound {bound:.3f})")
+    assert error <= bound, f"{weights} is in ACCURATE_FORMATS but its logits miss the bound"
+
+
+@pytest.mark.full
 @pytest.mark.parametrize("weights", [w for w in WEIGHT_FORMATS if w != "float32"])
 def test_weight_format_against_the_accuracy_bar(weights: str, exact, logit_bound) -> None:
     _, prompts, expected = exact

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 from importlib import resources
 
 import httpx
@@ -25,10 +24,9 @@ WEATHER_TOOL = {"type": "function", "function": {
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory, daemon_process) -> Iterator[str]:
-    """``python -m agentd.cli start`` with the default model; yields its base URL."""
-    with daemon_process(tmp_path_factory.mktemp("agentd-state"), "--log-level", "warning") as d:
-        yield d.url
+def daemon(default_daemon) -> str:
+    """The base URL of the shared ``python -m agentd.cli start`` with the default model."""
+    return default_daemon.url
 
 
 @pytest.fixture(scope="module")

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-from collections.abc import Iterator
 from importlib import resources
 from typing import Any
 
@@ -21,9 +19,10 @@ pytestmark = pytest.mark.slow
 MODEL = "SmolLM2-135M-Instruct"
 WORKLOADS = ("coding_agent", "support_agent", "research_agent")
 # per workload: its single turns, then its conversations' first messages. 50 each is the whole
-# check (AGENTD_E2E_PROMPTS=50, about 4 minutes a workload on 2 cores: 2,000-token agent prompts
-# at batch 16); CI runs the first 10 of each to stay within its time
-NUM_PROMPTS = int(os.environ.get("AGENTD_E2E_PROMPTS", "10"))
+# check (``pytest -m full``, about 4 minutes a workload on 2 cores: 2,000-token agent prompts at
+# batch 16); CI runs the first 10 of each to stay within its time
+NUM_PROMPTS = 10
+NUM_PROMPTS_FULL = 50
 CONCURRENCY = 16
 MAX_TOKENS = 128
 
@@ -32,17 +31,16 @@ def workload(name: str) -> dict[str, Any]:
     return json.loads(resources.files("agentd.workloads").joinpath(f"{name}.json").read_text())
 
 
-def prompts_of(data: dict[str, Any]) -> list[str]:
+def prompts_of(data: dict[str, Any], num_prompts: int) -> list[str]:
     firsts = [c[0]["content"] for c in data["conversations"] if c and c[0]["role"] == "user"]
-    prompts = (data["turns"] + firsts)[:NUM_PROMPTS]
-    assert len(prompts) == NUM_PROMPTS  # every workload has 50
+    prompts = (data["turns"] + firsts)[:num_prompts]
+    assert len(prompts) == num_prompts  # every workload has 50
     return prompts
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory, daemon_process) -> Iterator[str]:
-    with daemon_process(tmp_path_factory.mktemp("agentd-state"), "--log-level", "warning") as d:
-        yield d.url
+def daemon(default_daemon) -> str:
+    return default_daemon.url
 
 
 @pytest.fixture(scope="module")
@@ -71,10 +69,13 @@ def check_calls(message: Any, tools: list[dict[str, Any]], only: str | None = No
         jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
 
 
+@pytest.mark.parametrize("num_prompts", [
+    NUM_PROMPTS, pytest.param(NUM_PROMPTS_FULL, marks=pytest.mark.full)])
 @pytest.mark.parametrize("name", WORKLOADS)
-def test_required_and_named_calls_always_validate(daemon: str, name: str) -> None:
+def test_required_and_named_calls_always_validate(daemon: str, name: str,
+                                                  num_prompts: int) -> None:
     data = workload(name)
-    tools, prompts = data["tools"], prompts_of(data)
+    tools, prompts = data["tools"], prompts_of(data, num_prompts)
     names = [t["function"]["name"] for t in tools]
 
     async def run() -> list[Any]:

@@ -6,7 +6,6 @@ Responses API — running a tool and answering. Every streamed event is parsed b
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import anthropic
@@ -23,9 +22,8 @@ SYSTEM = ("You are a weather assistant. Use the tools when you need the weather.
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory, daemon_process) -> Iterator[str]:
-    with daemon_process(tmp_path_factory.mktemp("agentd-state"), "--log-level", "warning") as d:
-        yield d.url
+def daemon(default_daemon) -> str:
+    return default_daemon.url
 
 
 @pytest.fixture(scope="module")

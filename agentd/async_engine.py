@@ -373,6 +373,7 @@ class AsyncEngine:
         for request_id in list(self._streams):
             self._post(request_id, EngineDeadError("the engine stopped"))
         self._stats = engine.stats()
+        engine.close()
 
     def _abort_all(self) -> None:
         for request_id in list(self.engine.scheduler.requests):

@@ -14,6 +14,7 @@ from .events import (
     KVEvent,
     KVEventLog,
     KVEventSink,
+    blocks_digest,
     replay,
 )
 from .hashing import BlockHash, hash_block, hash_blocks
@@ -48,6 +49,7 @@ __all__ = [
     "KVEvent",
     "KVEventLog",
     "KVEventSink",
+    "blocks_digest",
     "replay",
     "CONVERSATION",
     "PIN",

@@ -15,7 +15,8 @@ removed while it is held.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import hashlib
+from collections.abc import Iterable, Sequence
 from typing import NamedTuple, Protocol
 
 from .hashing import BlockHash
@@ -93,3 +94,12 @@ def replay(events: Sequence[KVEvent], into: set[BlockHash] | None = None) -> set
         else:
             blocks.clear()
     return blocks
+
+
+def blocks_digest(block_hashes: Iterable[BlockHash]) -> str:
+    """One short name for a set of hashed blocks (sha256 of them sorted), so a subscriber's set
+    and a pool's can be compared without shipping either."""
+    digest = hashlib.sha256()
+    for block_hash in sorted(block_hashes):
+        digest.update(block_hash)
+    return digest.hexdigest()[:32]

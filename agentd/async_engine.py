@@ -22,7 +22,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from agentd.cache import REQUEST
+from agentd.cache import REQUEST, blocks_digest
 from agentd.config import EngineConfig
 from agentd.engine import EngineStats, LLMEngine
 from agentd.outputs import StreamDelta
@@ -57,6 +57,8 @@ class IntegrityReport:
     num_blocks_retained: int  # held by retained prefixes (cache control) and by no pin
     num_requests: int  # requests the scheduler still knows (running or waiting)
     num_streams: int  # streams still registered on the async side
+    num_hashed_blocks: int = 0  # blocks the prefix cache can hit (what KV events announced)
+    hashed_blocks_digest: str = ""  # agentd.cache.blocks_digest of their hashes
 
 
 class AsyncEngine:
@@ -301,12 +303,15 @@ class AsyncEngine:
             except AssertionError as exc:
                 error = str(exc) or "the block pool failed its integrity check"
             stats = engine.stats()
+            hashed = engine.kv_cache.pool.hashed_blocks()
             return IntegrityReport(ok=error is None, error=error,
                                    num_blocks_used=stats.num_blocks_used,
                                    num_blocks_pinned=stats.num_blocks_pinned,
                                    num_blocks_retained=stats.num_blocks_retained,
                                    num_requests=len(engine.scheduler.requests),
-                                   num_streams=len(self._streams))
+                                   num_streams=len(self._streams),
+                                   num_hashed_blocks=len(hashed),
+                                   hashed_blocks_digest=blocks_digest(hashed))
 
         return await self.call(check)
 
@@ -373,6 +378,7 @@ class AsyncEngine:
         for request_id in list(self._streams):
             self._post(request_id, EngineDeadError("the engine stopped"))
         self._stats = engine.stats()
+        engine.close()
 
     def _abort_all(self) -> None:
         for request_id in list(self.engine.scheduler.requests):

@@ -67,6 +67,30 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class KVEventsConfig:
+    """Where the events go: ``endpoint`` (bound, e.g. ``tcp://127.0.0.1:5557``; ``tcp://*:5557``
+    for every interface), an optional replay ``replay_endpoint``, and the topic
+    ``kv@<replica_id>@<model>`` (llm-d's form)."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    replica_id: str = "agentd"
+    buffer_batches: int = 10_000  # batches kept for replay
+
+    def __post_init__(self) -> None:
+        for name, value in (("kv_events", self.endpoint),
+                            ("kv_events_replay", self.replay_endpoint)):
+            if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(f"{name} must be a ZMQ endpoint such as tcp://127.0.0.1:5557, "
+                                 f"not {value!r}")
+        if self.buffer_batches < 1:
+            raise ValueError("buffer_batches must be at least 1")
+
+    def topic(self, model_name: str) -> str:
+        return f"kv@{self.replica_id}@{model_name}"
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs to start. ``None`` means "pick a default at load time"."""
 
@@ -94,6 +118,7 @@ class EngineConfig:
     num_threads: int | None = None
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     jump_forward: bool = True  # append the tokens a grammar forces without a step each
+    kv_events: KVEventsConfig | None = None  # publish the pool's KV events (agentd.kv_events)
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

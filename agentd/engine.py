@@ -24,6 +24,7 @@ import torch
 from agentd.cache import KVCacheManager, PinKey
 from agentd.config import EngineConfig
 from agentd.kernels import get_attention_backend
+from agentd.kv_events import KVEventPublisher, open_kv_events
 from agentd.kv_sizing import (
     KVPlan,
     KVRequest,
@@ -165,10 +166,14 @@ class LLMEngine:
         self.max_model_len = self.kv_plan.max_model_len
         backend = get_attention_backend(config.attention_backend, loaded.device,
                                         native_cpu=loaded.model.native_ops)
+        # routers' KV events: every hash the pool stores or evicts (a null sink unless asked)
+        self.kv_events = open_kv_events(config.kv_events, self.model_name, config.block_size,
+                                        loaded.device.type)
         self.kv_cache = KVCacheManager(self.num_blocks, config.block_size,
                                        config.enable_prefix_caching,
                                        extra_key=self.fingerprint.encode(),
-                                       move_cached_blocks=True)  # runs of consecutive blocks
+                                       move_cached_blocks=True,  # runs of consecutive blocks
+                                       events=self.kv_events)
         self.pins = PinManager(self.kv_cache, self.tokenizer,
                                int(config.max_pinned_fraction * self.num_blocks))
         # conversations continued by token ids (stored responses) keep their last partial block
@@ -281,6 +286,11 @@ class LLMEngine:
             self.pins.registry.remove(key)
             self.expired_pins.append(key)
         self.retention.expire(now)
+
+    def close(self) -> None:
+        """Release what outlives a step: the KV-event publisher sends what it has queued."""
+        if isinstance(self.kv_events, KVEventPublisher):
+            self.kv_events.close()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()

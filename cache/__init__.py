@@ -6,6 +6,17 @@ Invariant: this package imports only the standard library and xxhash.
 from __future__ import annotations
 
 from .block_pool import BlockPool, FreeBlockQueue, KVBlock, NoFreeBlocksError
+from .events import (
+    NULL_KV_EVENTS,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    KVEventLog,
+    KVEventSink,
+    blocks_digest,
+    replay,
+)
 from .hashing import BlockHash, hash_block, hash_blocks
 from .holders import (
     CONVERSATION,
@@ -31,6 +42,15 @@ from .retention import RetainedPrefix, RetainedPrefixes
 from .tails import KeptTail, TailHit, TailIndex, common_prefix_len
 
 __all__ = [
+    "NULL_KV_EVENTS",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "KVEvent",
+    "KVEventLog",
+    "KVEventSink",
+    "blocks_digest",
+    "replay",
     "CONVERSATION",
     "PIN",
     "PIN_PREFILL",

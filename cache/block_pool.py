@@ -3,7 +3,8 @@
 Invariant: every block is in exactly one of {free queue (ref_cnt == 0), referenced
 (ref_cnt > 0)}; ref counts never go negative; the hash map points only at blocks whose
 ``block_hash`` equals the key, and every hashed block is in the map. A pinned block holds a
-reference, so it never enters the free queue and can never be evicted.
+reference, so it never enters the free queue and can never be evicted. Every change to the map is
+reported to the pool's ``events`` sink as it happens (:mod:`.events`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+from .events import NULL_KV_EVENTS, KVEventSink
 from .hashing import BlockHash
 
 
@@ -128,10 +130,13 @@ class FreeBlockQueue:
 class BlockPool:
     """Owns the blocks, the free queue and the hash -> block map of cached full blocks."""
 
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = True,
+                 events: KVEventSink = NULL_KV_EVENTS) -> None:
+        """``events``: told of every hash stored and removed (routers' KV events)."""
         if num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.enable_caching = enable_caching
+        self.events = events
         self._blocks = [KVBlock(block_id) for block_id in range(num_blocks)]
         self._free_queue = FreeBlockQueue(self._blocks)
         self._cached_block_ids: dict[BlockHash, int] = {}
@@ -170,6 +175,10 @@ class BlockPool:
     def free_block_ids(self) -> list[int]:
         """Return the free queue's block ids, head (next allocated) to tail."""
         return self._free_queue.block_ids()
+
+    def hashed_blocks(self) -> set[BlockHash]:
+        """Every hash the pool holds a block for now (what a KV-event subscriber should know)."""
+        return set(self._cached_block_ids)
 
     def get_cached(self, block_hash: BlockHash) -> int | None:
         """Return the id of the block holding ``block_hash``, or None on a miss."""
@@ -237,6 +246,7 @@ class BlockPool:
         if block.block_hash is not None:
             self._num_cached_free -= 1
             del self._cached_block_ids[block.block_hash]
+            self.events.removed(block.block_hash)
             block.block_hash = None
         return block
 
@@ -282,33 +292,54 @@ class BlockPool:
             block.ref_cnt += 1
 
     def cache_full_blocks(
-        self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]
+        self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash],
+        token_ids: Sequence[int] = (), parent_block_hash: BlockHash | None = None,
     ) -> None:
         """Register full blocks under their content hashes so later requests can reuse them.
 
         A hash already held by a different block is left to that block and this one stays
-        unhashed. Does nothing when caching is disabled.
+        unhashed. Does nothing when caching is disabled. Each run of newly registered blocks is
+        reported to ``events`` as stored.
 
         Args:
             block_ids: the full blocks, in the same order as ``block_hashes``.
             block_hashes: the blocks' chained content hashes.
+            token_ids: the blocks' tokens, all of them in order (for the stored events; may be
+                empty when nobody listens).
+            parent_block_hash: the hash of the block before the first (None: the first block
+                of its chain).
         """
         if len(block_ids) != len(block_hashes):
             raise ValueError(f"{len(block_ids)} block ids but {len(block_hashes)} hashes")
         if not self.enable_caching:
             return
-        for block_id, block_hash in zip(block_ids, block_hashes, strict=True):
+        run: list[int] = []  # indexes of the newly stored blocks, one consecutive run
+        for index, (block_id, block_hash) in enumerate(zip(block_ids, block_hashes, strict=True)):
             block = self._blocks[block_id]
             if block.block_hash is not None:
                 if block.block_hash != block_hash:
                     raise ValueError(f"block {block_id} already holds a different hash")
+            elif block_hash not in self._cached_block_ids:
+                block.block_hash = block_hash
+                self._cached_block_ids[block_hash] = block_id
+                if block.ref_cnt == 0:
+                    self._num_cached_free += 1
+                run.append(index)
                 continue
-            if block_hash in self._cached_block_ids:
-                continue
-            block.block_hash = block_hash
-            self._cached_block_ids[block_hash] = block_id
-            if block.ref_cnt == 0:
-                self._num_cached_free += 1
+            self._report_stored(run, block_hashes, token_ids, parent_block_hash)
+        self._report_stored(run, block_hashes, token_ids, parent_block_hash)
+
+    def _report_stored(self, run: list[int], block_hashes: Sequence[BlockHash],
+                       token_ids: Sequence[int], parent_block_hash: BlockHash | None) -> None:
+        """Tell ``events`` of the run of blocks just stored (then empty the run)."""
+        if not run:
+            return
+        first, end = run[0], run[-1] + 1
+        num_tokens = len(token_ids) // len(block_hashes)
+        parent = block_hashes[first - 1] if first else parent_block_hash
+        self.events.stored(block_hashes[first:end], parent,
+                           token_ids[first * num_tokens:end * num_tokens])
+        run.clear()
 
     def check_integrity(self) -> None:
         """Raise AssertionError naming the first violated invariant of the pool."""

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from .block_pool import BlockPool
+from .events import NULL_KV_EVENTS, KVEventSink
 from .hashing import BlockHash, hash_blocks
 from .holders import REQUEST, BlockHolders, Owner
 from .tails import TailIndex
@@ -53,16 +54,18 @@ class KVCacheManager:
         enable_caching: bool = True,
         extra_key: bytes = b"",
         move_cached_blocks: bool = False,
+        events: KVEventSink = NULL_KV_EVENTS,
     ) -> None:
         """``move_cached_blocks``: grow a table into the block after its last even when that one
         holds a cached prefix, whose KV then moves to another block (a queued ``KVCopy``: only
-        for a caller that runs ``take_copies`` before each forward)."""
+        for a caller that runs ``take_copies`` before each forward). ``events``: the pool reports
+        each hash it stores or removes there (routers' KV events)."""
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.extra_key = extra_key
-        self.pool = BlockPool(num_blocks, enable_caching=enable_caching)
+        self.pool = BlockPool(num_blocks, enable_caching=enable_caching, events=events)
         self.holders = BlockHolders(self.pool)  # every reference's owner: tables, pins, ...
         self.tails = TailIndex()  # kept partial blocks (pins', conversations'), by their chain
         self._num_cached_blocks: dict[str, int] = {}  # request id -> blocks registered
@@ -214,8 +217,10 @@ class KVCacheManager:
             return
         block_hashes = [] if block_hashes is None else block_hashes
         self._extend_hashes(block_hashes, token_ids, num_full_blocks, cache_salt)
+        bs = self.block_size
         self.pool.cache_full_blocks(
-            table[start:num_full_blocks], block_hashes[start:num_full_blocks]
+            table[start:num_full_blocks], block_hashes[start:num_full_blocks],
+            token_ids[start * bs:num_full_blocks * bs], block_hashes[start - 1] if start else None,
         )
         self._num_cached_blocks[request_id] = num_full_blocks
 

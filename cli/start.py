@@ -22,7 +22,13 @@ import click
 
 from agentd.cli._daemon import bind_listener, detach, display_url
 from agentd.cli._state import StatePaths, state_dir_option
-from agentd.config import EngineConfig, SpeculativeConfig, parse_duration, parse_size
+from agentd.config import (
+    EngineConfig,
+    KVEventsConfig,
+    SpeculativeConfig,
+    parse_duration,
+    parse_size,
+)
 from agentd.model.default_model import DEFAULT_MODEL_NAME
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
@@ -122,6 +128,14 @@ def _option(name: str, **kwargs: Any) -> Any:
          help="CPU threads for torch [default: all cores]. Every daemon takes this many: "
               "with several daemons on one host, give each its share (e.g. 4 each of 8 "
               "cores), or they slow each other down. `agentd status` shows it.")
+@_option("--kv-events", default=None, metavar="ENDPOINT",
+         help="Publish vLLM's KV-event stream (ZMQ PUB, topic kv@HOST:PORT@MODEL, msgpack "
+              "BlockStored/BlockRemoved/AllBlocksCleared) on this endpoint, e.g. "
+              "tcp://127.0.0.1:5557, for routers that score replicas by the blocks they hold. "
+              "Needs pyzmq: pip install 'agentd[cluster]'.")
+@_option("--kv-events-replay", default=None, metavar="ENDPOINT",
+         help="A ZMQ ROUTER endpoint where a subscriber that missed batches asks for them again "
+              "by sequence number (vLLM's replay protocol).")
 @_option("--api-key", multiple=True,
          help="Require 'Authorization: Bearer KEY' on /v1, /admin and /metrics. Repeat it "
               "(or separate keys with commas) for several keys; each key is then a tenant "
@@ -232,6 +246,7 @@ def engine_config(params: dict[str, Any]) -> EngineConfig:
             attention_backend=params["attention_backend"], cpu_linear=params["cpu_linear"],
             seed=params["seed"],
             num_threads=params["num_threads"],
+            kv_events=_kv_events(params),
             speculative=SpeculativeConfig(
                 method=params["speculative"], num_tokens=params["num_speculative_tokens"],
                 ngram_max=params["prompt_lookup_max"], ngram_min=params["prompt_lookup_min"],
@@ -241,6 +256,15 @@ def engine_config(params: dict[str, Any]) -> EngineConfig:
         raise click.ClickException(
             f"{_option_names(str(exc))} (see `agentd start --help`)"
         ) from None
+
+
+def _kv_events(params: dict[str, Any]) -> KVEventsConfig | None:
+    if params["kv_events"] is None:
+        if params["kv_events_replay"] is not None:
+            raise ValueError("--kv-events-replay needs --kv-events")
+        return None
+    return KVEventsConfig(params["kv_events"], params["kv_events_replay"],
+                          replica_id=f"{params['host']}:{params['port']}")
 
 
 def server_settings(params: dict[str, Any], state_dir: Path | None = None) -> Any:
@@ -279,7 +303,7 @@ def _list(values: tuple[str, ...] | None) -> tuple[str, ...]:
 
 
 def _option_names(message: str) -> str:
-    for field in [*_DEFAULTS, *_SPEC_OPTION_NAMES]:
+    for field in [*_DEFAULTS, *_SPEC_OPTION_NAMES, "kv_events_replay"]:
         option = _OPTION_OF.get(field, "--" + field.replace("_", "-"))
         message = re.sub(rf"\b{field}\b", option, message)
     return message

@@ -79,6 +79,7 @@ class _EngineCollector:
             family = GaugeMetricFamily(name, doc, labels=["model_name"])
             family.add_metric([model_name], getattr(stats, field))
             yield family
+        yield from _router_families(model_name, stats)
         blocks = GaugeMetricFamily("agentd:kv_cache_blocks", "KV blocks by state.",
                                    labels=["model_name", "state"])
         for state, field in _BLOCK_STATES:
@@ -88,6 +89,23 @@ class _EngineCollector:
         yield blocks
         yield from _pin_families(model_name, snapshot.pins)
         yield from _retained_families(model_name, stats, snapshot.pins)
+
+
+def _router_families(model_name: str, stats: EngineStats) -> Iterator[Metric]:
+    """What routers read besides the load gauges (SMG, llm-d): the share of prompt tokens served
+    from the cache since start, and the pool's shape as vLLM's ``cache_config_info``."""
+    rate = GaugeMetricFamily("vllm:gpu_prefix_cache_hit_rate",
+                             "Prompt tokens served from the prefix cache / prompt tokens looked "
+                             "up, since start (0-1).", labels=["model_name"])
+    queries = stats.prefix_cache_queries
+    rate.add_metric([model_name], stats.prefix_cache_hits / queries if queries else 0.0)
+    yield rate
+    plan = stats.kv_cache
+    if plan is not None:
+        info = GaugeMetricFamily("vllm:cache_config_info", "The KV cache's configuration.",
+                                 labels=["block_size", "num_gpu_blocks", "cache_dtype"])
+        info.add_metric([str(plan.block_size), str(plan.num_blocks), plan.dtype], 1.0)
+        yield info
 
 
 def _pin_families(model_name: str, summary: PinSummary) -> Iterator[Metric]:

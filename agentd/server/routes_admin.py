@@ -1,5 +1,5 @@
-"""Operational routes: ``/health``, ``/v1/stats``, ``/metrics``, ``/admin/integrity`` and
-``/admin/shutdown``.
+"""Operational routes: ``/health``, ``/version``, ``/v1/stats``, ``/metrics``,
+``/admin/integrity`` and ``/admin/shutdown``.
 
 Invariant: none of these waits on the engine thread — they read the engine's latest stats and
 pin snapshots — so monitoring answers at once even while a long prefill is running. ``/health`` is
@@ -34,6 +34,13 @@ def health(state: State) -> Response[dict[str, Any]]:
     if server.load_error is not None:
         body["error"] = server.load_error
     return Response(body, status_code=200 if server.status == "ready" else 503)
+
+
+@get("/version", summary="The server's version (vLLM's route, which routers probe)",
+     tags=["Admin"], sync_to_thread=False)
+def version() -> dict[str, str]:
+    """Open like ``/health``: SMG recognises a vLLM-shaped worker by this route."""
+    return {"version": __version__, "server": "agentd"}
 
 
 def _num_threads() -> int:

@@ -142,4 +142,5 @@ def test_every_packaged_tool_has_a_way_out_from_inside_its_first_string(
             written += step
         for content in ("", "12345678"):  # (where the string takes any text)
             if matcher.fork().accept_string(content):
-                assert way_out(search, compiler, params, written + content).endswith(b"</tool_call>")
+                way = way_out(search, compiler, params, written + content)
+                assert way.endswith(b"</tool_call>")

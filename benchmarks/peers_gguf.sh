@@ -80,7 +80,7 @@ run_server() {  # name port log cmd...: start, time to ready, bench, peak RSS, s
     local extra=(); [ "$name" = agentd ] || extra=(--openai-compatible --daemon-pid $pid)
     "${bench[@]}" --url "http://127.0.0.1:$port" "${extra[@]}" --json "$out/$isa-$name.json" \
       | tee "$out/$isa-$name.txt" || echo "!! $name: bench failed" | tee -a "$header"
-    grep VmHWM /proc/$pid/status | awk '{printf "%d\n", $2 * 1024}' >"$out/$isa-$name.hwm_bytes"
+    grep VmHWM /proc/$pid/status | awk '{printf "%.0f\n", $2 * 1024}' >"$out/$isa-$name.hwm_bytes"
   fi
   kill -INT $pid 2>/dev/null || true; wait $pid || true
 }

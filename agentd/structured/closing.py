@@ -255,7 +255,7 @@ class ClosingSearch:
         self._grouping(walker, sig, groupings)
         if forced:
             walker.rollback(1)
-        segments: dict[tuple[int, bytes], int] = {}
+        segments: dict[bytes, int] = {}
         visits = Counter([root.key])
         seq = itertools.count(1)
         heap = [root]
@@ -284,7 +284,7 @@ class ClosingSearch:
 
     def _children(self, walker: Any, node: _Node, root_pos: int,
                   groupings: OrderedDict[bytes, _Grouping],
-                  segments: dict[tuple[int, bytes], int], seq: Any) -> list[_Node]:
+                  segments: dict[bytes, int], seq: Any) -> list[_Node]:
         """One child per group of next characters, with the text the grammar then forces."""
         if node.text and not walker.accept_string(node.text):
             return []
@@ -300,7 +300,7 @@ class ClosingSearch:
                 continue
             segment = node.segment
             if len(forced) >= MIN_SEGMENT_BYTES:
-                segment = segments.setdefault((0, forced), len(segments) + 1)
+                segment = segments.setdefault(forced, len(segments) + 1)
             children.append(_Node(node.cost + 1 + self.vocab.num_tokens(forced), next(seq),
                                   node.text + char + forced, segment, sig,
                                   (sig, items, segment), 0, node))

@@ -359,8 +359,10 @@ class LLMEngine:
         self.speculator.propose(self.scheduler.running, self.scheduler.num_waiting)
         for request in self.scheduler.running:  # a constrained request drafts what it may write
             if request.spec_token_ids and request.request_id in self.structured:
-                request.spec_token_ids = self.structured.legal_prefix(request.request_id,
-                                                                      request.spec_token_ids)
+                room = self.structured.draft_room(
+                    request.request_id, request.max_output_tokens - request.num_output_tokens)
+                request.spec_token_ids = self.structured.legal_prefix(
+                    request.request_id, request.spec_token_ids[:room])
 
     def _last_delta(self, request_id: str) -> StreamDelta:
         """A finished request's last delta; everything kept about it goes."""

@@ -20,8 +20,11 @@ near its budget is closed by one rule, the shortest way to the end of its gramma
   A guarded row with nothing left to allow is held so too.
 
 The costs are checked within ``CLOSING_HORIZON`` tokens of the budget (or twice the last known
-cost, if that is more), and a search result is reused while the output follows its way or adds
-only content. Free text (the part of an "auto" turn before a call) is never cut short.
+cost, if that is more), once a step on the step's first row: so a request's speculative drafts
+stop short of the guard's start, and a held request drafts nothing (``draft_room``); a step of
+accepted drafts would otherwise carry it past the margin. A search result is reused while the
+output follows its way or adds only content. Free text (the part of an "auto" turn before a
+call) is never cut short.
 """
 
 from __future__ import annotations
@@ -124,6 +127,19 @@ class StructuredOutputs:
         elif budget <= plan.num_tokens + _margin(plan.num_tokens) + GUARD_TOKENS:
             req.hold = Hold.GUARD
         return req.hold is not None
+
+    def draft_room(self, request_id: str, budget: int) -> int:
+        """The draft tokens the request may have verified in its next step, ``budget`` tokens
+        before its end. Holds are decided once a step, on its first row, so a step must not
+        carry the request past the point where it would be held: none once it is held, and
+        while it is not, no more than leaves it above its guard's start (the last known cost)."""
+        req = self._requests.get(request_id)
+        if req is None or self.closing_search is None:
+            return budget
+        if req.hold is not None:
+            return 0
+        cost = req.last_cost or 0
+        return max(0, budget - 1 - (cost + _margin(cost) + GUARD_TOKENS))
 
     def cost_to_close(self, request_id: str) -> int | None:
         """The tokens the shortest way to the end of the output takes from here, the stop token

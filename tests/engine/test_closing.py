@@ -144,3 +144,49 @@ def parses(text: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+LOOP_LINES = ("The file has been rewritten.", "All tests passed.", "Done.", "ok",
+              "The build is green.", "Saved to disk.")
+
+
+@pytest.mark.parametrize("extra", [40, 64])
+def test_greedy_loops_with_speculation_end(extra: int) -> None:
+    """The default model asked to repeat a line inside a JSON string loops at temperature 0,
+    and prompt lookup drafts the loop: up to 9 tokens a step are accepted. A step must not
+    carry a request past where it is held (its drafts stop short of the guard); without that,
+    these outputs were closed one token too late on this model and ended with "length"."""
+    llm = LLM(max_num_seqs=4)
+    schema = one_field({"type": "string"})
+    params = StructuredOutputsParams(json=schema)
+    max_tokens = estimate(llm, params) + extra
+    for line in LOOP_LINES:
+        messages = [{"role": "user", "content": f"Write the sentence '{line}' fifty times, as "
+                                                "JSON with the key v."}]
+        (out,) = llm.chat(messages, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                   structured_outputs=params))
+        assert out.finish_reason == "stop", (line, out.text)
+        jsonschema.validate(json.loads(out.text), schema)
+    assert llm.engine.stats().spec_num_accepted_tokens > 0  # the drafts did ride
+
+
+def test_drafts_stop_short_of_the_guard(llm: LLM) -> None:
+    """``draft_room``: all the budget allows while far from the end, never past the guard's
+    start (the last known cost, its margin and the guard), and nothing once held."""
+    from agentd.structured.matchers import CLOSING_MARGIN, GUARD_TOKENS, MARGIN_PER_TOKEN
+
+    structured = llm.engine.structured
+    params = StructuredOutputsParams(json=one_field({"type": "string"}))
+    structured.add("r", llm.engine.grammars.compile(params))
+    try:
+        cost = structured.cost_to_close("r")
+        assert cost is not None
+        guard_start = cost + CLOSING_MARGIN + int(MARGIN_PER_TOKEN * cost) + GUARD_TOKENS
+        assert not structured.needs_closing("r", 1000)  # learns the cost
+        assert structured.draft_room("r", 1000) == 1000 - 1 - guard_start
+        assert structured.draft_room("r", guard_start + 4) == 3  # 3 drafts + 1: guard_start left
+        assert structured.draft_room("r", guard_start) == 0
+        assert structured.needs_closing("r", guard_start)
+        assert structured.draft_room("r", guard_start) == 0
+    finally:
+        structured.remove("r")

@@ -86,7 +86,8 @@ def render_chat(
         messages: system/developer/user/assistant/tool messages; content may be text parts.
         tools: OpenAI tool definitions, or None.
         tool_choice: "none" renders no tools; "required" or a named function adds an instruction
-            to agentd's own tools block; "auto" or None adds nothing.
+            at the end of the system message (agentd's own tools block's templates); "auto" or
+            None adds nothing.
     Returns:
         The prompt text and its token ids.
     """
@@ -101,9 +102,12 @@ def render_chat(
             tokenize=False,
         )
     else:
-        system_prefix = tools_block(active_tools, tool_choice) if active_tools else None
+        system_prefix = tools_block(active_tools) if active_tools else None
+        chatml = _chatml_messages(messages, system_prefix)
+        if active_tools and (instruction := choice_instruction(tool_choice)):
+            chatml[0]["content"] += f"\n\n{instruction}"  # the system message prefix_system made
         prompt = tokenizer.apply_chat_template(
-            _chatml_messages(messages, system_prefix),
+            chatml,
             add_generation_prompt=add_generation_prompt,
             tokenize=False,
         )
@@ -182,14 +186,20 @@ def _special_strings(tokenizer: Any) -> tuple[list[str], re.Pattern[str] | None]
     return specials, re.compile("|".join(re.escape(s) for s in specials))
 
 
-def tools_block(tools: list[dict[str, Any]], tool_choice: ToolChoice = None) -> str:
+def tools_block(tools: list[dict[str, Any]]) -> str:
     """agentd's own tools block (Hermes/Qwen2.5 wording) for templates without tools support."""
-    block = TOOLS_PREAMBLE + tools_json(canonical_tools(tools)) + TOOLS_POSTAMBLE
+    return TOOLS_PREAMBLE + tools_json(canonical_tools(tools)) + TOOLS_POSTAMBLE
+
+
+def choice_instruction(tool_choice: ToolChoice) -> str | None:
+    """What "required" or a named function adds to the system message: at its end, after the
+    tools and the system text, so turns that differ only in ``tool_choice`` share their whole
+    system prefix in the cache (before the tools, the instruction split it at the tools)."""
     if tool_choice == "required":
-        block += "\n\nYou must call at least one function."
-    elif (name := forced_function_name(tool_choice)) is not None:
-        block += f"\n\nYou must call the function {name}."
-    return block
+        return "You must call at least one function."
+    if (name := forced_function_name(tool_choice)) is not None:
+        return f"You must call the function {name}."
+    return None
 
 
 def forced_function_name(tool_choice: ToolChoice) -> str | None:

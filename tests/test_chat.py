@@ -160,12 +160,27 @@ def test_tool_choice_required_and_named(tokenizer: Any, workload: dict) -> None:
     messages = [system("S"), user("hi")]
     tools = workload["tools"]
     required = render_chat(tokenizer, messages, tools, "required").prompt
-    assert "</tool_call>\n\nYou must call at least one function.\n\nS<|im_end|>" in required
+    assert "</tool_call>\n\nS\n\nYou must call at least one function.<|im_end|>" in required
     named = {"type": "function", "function": {"name": "read_file"}}
     forced = render_chat(tokenizer, messages, tools, named).prompt
-    assert "</tool_call>\n\nYou must call the function read_file.\n\nS<|im_end|>" in forced
+    assert "</tool_call>\n\nS\n\nYou must call the function read_file.<|im_end|>" in forced
     auto = render_chat(tokenizer, messages, tools, "auto").prompt
     assert "You must" not in auto and auto == render_chat(tokenizer, messages, tools).prompt
+    alone = render_chat(tokenizer, [user("hi")], tools, "required").prompt
+    assert "</tool_call>\n\nYou must call at least one function.<|im_end|>" in alone
+
+
+def test_tool_choices_share_the_system_prefix(tokenizer: Any, workload: dict) -> None:
+    """Turns that differ only in tool_choice share the tools and the whole system text: an
+    agent that forces a call on one turn and not the next keeps its cached prefix."""
+    messages = [system(workload["system"]), user("hi")]
+    tools = workload["tools"]
+    auto = render_chat(tokenizer, messages, tools, "auto")
+    system_turn = auto.prompt[:auto.prompt.index("<|im_end|>")]
+    system_len = len(tokenizer(system_turn).input_ids)
+    for choice in ("required", {"type": "function", "function": {"name": "read_file"}}):
+        other = render_chat(tokenizer, messages, tools, choice)
+        assert common_prefix_len(auto.prompt_token_ids, other.prompt_token_ids) >= system_len - 1
 
 
 def test_coding_agent_round_trip(tokenizer: Any, workload: dict) -> None:

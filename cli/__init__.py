@@ -18,6 +18,7 @@ from agentd import __version__
 # name -> "module:attribute"; add a command by adding a line here and a module beside this one.
 COMMANDS = {
     "bench": "agentd.cli.bench:command",
+    "cluster": "agentd.cli.cluster:command",
     "start": "agentd.cli.start:command",
     "stop": "agentd.cli.stop:command",
     "status": "agentd.cli.status:command",

@@ -1,0 +1,239 @@
+"""Replicas behind SMG end to end: ``agentd cluster start`` (two replicas of the default model and
+SMG's ``smg launch`` on 127.0.0.1, as a user runs them), the real ``openai`` SDK through the
+router, and each replica's own ``/v1/stats`` as the judge of where requests went.
+
+Four agent workloads, six turns each (the workload's system prompt, a different user turn
+each): with ``cache_aware`` each workload's turns land on one replica and every turn after the
+first reads the whole system prompt from the cache; with ``round_robin`` they alternate and
+the hit rate is lower. Then a replica is killed with SIGKILL mid-generation: the request in
+flight fails with an error (no hang; SMG retries a request not yet answered on the
+other replica), new requests are served by the other replica, and the
+killed one, restarted on its state directory, has its pin back and is routed to again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from agentd.chat import render_chat
+
+pytestmark = pytest.mark.slow
+if not (Path(sys.executable).with_name("smg").exists() or shutil.which("smg")):
+    pytest.skip("SMG is not installed (pip install 'agentd[cluster]')", allow_module_level=True)
+
+MODEL = "SmolLM2-135M-Instruct"
+WORKLOADS = ("coding_agent", "support_agent", "research_agent", "code_edit_agent")
+TURNS = 6
+BLOCK_SIZE = 16
+REPLICA_ARGS = ("--kv-cache-memory", "256MiB", "--log-level", "warning")
+
+
+def workload(name: str) -> dict[str, Any]:
+    return json.loads(resources.files("agentd.workloads").joinpath(f"{name}.json").read_text())
+
+
+def turns_of(data: dict[str, Any]) -> list[str]:
+    firsts = [c[0]["content"] for c in data["conversations"] if c and c[0]["role"] == "user"]
+    return (data["turns"] + firsts)[:TURNS]
+
+
+def free_ports(count: int) -> int:
+    """A first port of ``count`` consecutive loopback ports nothing listens on."""
+    for base in range(23000, 60000, 97):
+        try:
+            for port in range(base, base + count):
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no free run of ports")
+
+
+class Cluster:
+    """``agentd cluster start/stop`` in a directory of its own."""
+
+    def __init__(self, root: Path, policy: str) -> None:
+        self.root, self.policy = root, policy
+        self.port = free_ports(4)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def cli(self, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "agentd.cli", "cluster", *args,
+                               "--cluster-dir", str(self.root)], capture_output=True, text=True,
+                              timeout=timeout)
+
+    def __enter__(self) -> Cluster:
+        done = subprocess.run(
+            [sys.executable, "-m", "agentd.cli", "cluster", "start", "--replicas", "2",
+             "--port", str(self.port), "--policy", self.policy, "--cluster-dir", str(self.root),
+             "--", *REPLICA_ARGS], capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout + done.stderr
+        self.state = json.loads((self.root / "cluster.json").read_text())
+        self.replicas = [r["url"] for r in self.state["replicas"]]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        done = self.cli("stop")
+        assert done.returncode == 0, done.stdout + done.stderr
+
+    def stats(self) -> list[dict[str, Any]]:
+        return [httpx.get(f"{url}/v1/stats", timeout=10).json() for url in self.replicas]
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0,
+                             timeout=300)
+
+
+def ask(client: openai.OpenAI, system: str, user: str, max_tokens: int = 4) -> Any:
+    return client.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=max_tokens,
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": user}])
+
+
+def system_prefix_tokens(system: str, users: list[str]) -> int:
+    """Tokens the turns' prompts share (the system turn): what a warm turn reads from cache,
+    rounded down to whole blocks."""
+    from transformers import AutoTokenizer
+
+    from agentd.model.loader import resolve_model
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model(None).path)
+    ids = [render_chat(tokenizer, [{"role": "system", "content": system},
+                                   {"role": "user", "content": u}]).prompt_token_ids
+           for u in users[:2]]
+    shared = next(i for i, (a, b) in enumerate(zip(*ids, strict=False)) if a != b)
+    return shared // BLOCK_SIZE * BLOCK_SIZE
+
+
+def run_workloads(cluster: Cluster) -> dict[str, Any]:
+    """Each workload's turns in order through the router; per workload, the requests each
+    replica finished and the cached tokens of each reply."""
+    client = cluster.client()
+    report: dict[str, Any] = {}
+    for name in WORKLOADS:
+        data = workload(name)
+        before = cluster.stats()
+        cached = [ask(client, data["system"], turn).usage.prompt_tokens_details.cached_tokens
+                  for turn in turns_of(data)]
+        after = cluster.stats()
+        report[name] = {
+            "per_replica": [a["num_requests_finished"] - b["num_requests_finished"]
+                            for a, b in zip(after, before, strict=True)],
+            "cached": cached,
+            "prefix": system_prefix_tokens(data["system"], turns_of(data))}
+    stats = cluster.stats()
+    report["hit_rate"] = (sum(s["prefix_cache_hits"] for s in stats)
+                          / sum(s["prefix_cache_queries"] for s in stats))
+    return report
+
+
+@pytest.fixture(scope="module")
+def round_robin(tmp_path_factory) -> dict[str, Any]:
+    with Cluster(tmp_path_factory.mktemp("rr"), "round_robin") as cluster:
+        return run_workloads(cluster)
+
+
+def test_cache_aware_routing_keeps_each_agent_on_its_replica(tmp_path_factory,
+                                                             round_robin: dict[str, Any]) -> None:
+    with Cluster(tmp_path_factory.mktemp("ca"), "cache_aware") as cluster:
+        status = cluster.cli("status", "--json")
+        assert status.returncode == 0, status.stderr
+        assert [r["status"] for r in json.loads(status.stdout)["replicas"]] == ["ready", "ready"]
+
+        report = run_workloads(cluster)
+        for name in WORKLOADS:
+            per_replica, cached = report[name]["per_replica"], report[name]["cached"]
+            assert sorted(per_replica) == [0, TURNS], (name, per_replica)
+            assert all(c >= report[name]["prefix"] for c in cached[1:]), (name, cached)
+        used = {report[name]["per_replica"].index(TURNS) for name in WORKLOADS}
+        assert used == {0, 1}  # the agents are spread over both replicas
+        # round robin alternates: a workload's turns meet its prefix on one replica in two
+        for name in WORKLOADS:
+            assert round_robin[name]["per_replica"] == [TURNS // 2, TURNS // 2], name
+        assert report["hit_rate"] > round_robin["hit_rate"] + 0.05, (report["hit_rate"],
+                                                                     round_robin["hit_rate"])
+
+        survive_a_replica_killed(cluster)
+
+
+def survive_a_replica_killed(cluster: Cluster) -> None:
+    """SIGKILL the replica serving a generation: that request errors, the next ones are served
+    by the other replica, and the killed one restarts with its pin and is routed to again."""
+    data = workload("support_agent")
+    pin_file = cluster.root / "support.txt"
+    pin_file.write_text(data["system"])
+    pinned = cluster.cli("pin", str(pin_file), "--name", "support")
+    assert pinned.returncode == 0, pinned.stderr
+    assert [s["num_pins"] for s in cluster.stats()] == [1, 1]
+
+    client = cluster.client()
+    errors: list[BaseException] = []
+
+    def long_generation() -> None:
+        """A stream the kill cuts: SMG cannot move a stream it has begun to another replica
+        (a request not yet answered it retries there), so it must end with an error."""
+        try:
+            for _ in client.chat.completions.create(
+                    model=MODEL, temperature=0, max_tokens=2000, stream=True,
+                    messages=[{"role": "system", "content": data["system"]},
+                              {"role": "user", "content": "Tell me a long story."}]):
+                pass
+        except openai.APIError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=long_generation)
+    thread.start()
+    victim = None
+    deadline = time.monotonic() + 120
+    while victim is None and time.monotonic() < deadline:
+        running = [s["num_requests_running"] for s in cluster.stats()]
+        victim = running.index(1) if 1 in running else None
+        time.sleep(0.2)
+    assert victim is not None, "the generation never started"
+    time.sleep(1)  # some tokens are streamed
+    state_dir = Path(cluster.state["replicas"][victim]["state_dir"])
+    os.kill(int((state_dir / "agentd.pid").read_text()), signal.SIGKILL)
+    thread.join(timeout=60)
+    assert not thread.is_alive(), "the request in flight hung when its replica died"
+    assert errors, "the request in flight did not fail when its replica was killed"
+
+    survivor = cluster.replicas[1 - victim]
+    before = httpx.get(f"{survivor}/v1/stats").json()["num_requests_finished"]
+    for turn in turns_of(data)[:3]:
+        assert ask(client, data["system"], turn).choices[0].finish_reason == "length"
+    assert httpx.get(f"{survivor}/v1/stats").json()["num_requests_finished"] == before + 3
+
+    port = cluster.replicas[victim].rsplit(":", 1)[1]
+    restarted = subprocess.run(
+        [sys.executable, "-m", "agentd.cli", "start", "--detach", "--port", port, "--state-dir",
+         str(state_dir), "--num-threads", str(cluster.state["threads"]), *REPLICA_ARGS],
+        capture_output=True, text=True, timeout=600)
+    assert restarted.returncode == 0, restarted.stdout + restarted.stderr
+    stats = httpx.get(f"{cluster.replicas[victim]}/v1/stats").json()
+    assert stats["num_pins"] == 1  # its pin, restored from its state directory
+    deadline, served, n = time.monotonic() + 90, False, 0
+    while not served and time.monotonic() < deadline:
+        # a prompt that matches nothing routed before goes to the replica whose routed text is
+        # least: the restarted one, once the router's health check has seen it back
+        n += 1
+        ask(client, f"{uuid.uuid4().hex} Answer in one word.", "Ready?")
+        served = httpx.get(f"{cluster.replicas[victim]}/v1/stats").json()[
+            "num_requests_finished"] > 0
+    assert served, f"the restarted replica was never routed to ({n} requests)"

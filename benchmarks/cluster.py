@@ -44,6 +44,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--port", type=int, default=18700)
     parser.add_argument("--replica-args", default="--kv-cache-memory 512MiB --log-level warning")
+    parser.add_argument("--router-args", default="", help="more `smg launch` options")
+    parser.add_argument("--policies", default="cache_aware,round_robin")
     return parser.parse_args()
 
 
@@ -82,7 +84,8 @@ def cluster(*args: str, root: Path) -> str:
 def run_policy(policy: str, args: argparse.Namespace) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix=f"agentd-cluster-{policy}-"))
     cluster("start", "--replicas", str(args.replicas), "--port", str(args.port), "--policy",
-            policy, "--", *args.replica_args.split(), root=root)
+            policy, "--router-args", args.router_args, "--", *args.replica_args.split(),
+            root=root)
     try:
         state = json.loads((root / "cluster.json").read_text())
         replicas = [r["url"] for r in state["replicas"]]
@@ -143,7 +146,8 @@ def main() -> None:
           f"torch {torch.__version__} capability {torch.backends.cpu.get_cpu_capability()}, "
           f"flags: {' '.join(f for f in flags if f.startswith(('avx', 'amx', 'fma')))}")
     print(f"# {args.agents} agents x {args.turns} turns over {args.replicas} replicas")
-    results = [run_policy(p, args) for p in ("cache_aware", "round_robin")]
+    print(f"# router args: {args.router_args or '(defaults)'}")
+    results = [run_policy(p, args) for p in args.policies.split(",")]
     print("| policy | hit rate | warm TTFT p50 / p90 | cold TTFT p50 | requests per replica "
           "| wall |")
     print("|---|---|---|---|---|---|")
@@ -151,6 +155,8 @@ def main() -> None:
         print(f"| {r['policy']} | {r['hit_rate']:.1%} | {r['warm_p50']:.2f} / "
               f"{r['warm_p90']:.2f} s | {r['cold_p50']:.2f} s | {r['per_replica']} "
               f"| {r['wall_s']:.0f} s |")
+    if len(results) < 2:
+        return
     ca, rr = results
     print(f"warm p50 round_robin / cache_aware: {rr['warm_p50'] / ca['warm_p50']:.2f}x")
     lat = ca["router_latency"]

@@ -65,13 +65,13 @@ def start(replicas: int, host: str, port: int, policy: str, threads_per_replica:
     """Start the replicas and the router. Arguments after -- go to every replica's
     `agentd start`: agentd cluster start -- --model m.gguf --kv-cache-memory 2GiB"""
     root = _root(cluster_dir)
+    for flag in ("--port", "--state-dir", "--detach", "--num-threads", "--host"):
+        if flag in start_args:
+            raise click.ClickException(f"{flag} is set per replica by `agentd cluster start`")
     smg = smg_executable()
     if (root / "cluster.json").exists() and _alive(_read(root).get("router", {}).get("pid")):
         raise click.ClickException(f"a cluster already runs from {root}; `agentd cluster stop` "
                                    "first, or pass another --cluster-dir")
-    for flag in ("--port", "--state-dir", "--detach", "--num-threads", "--host"):
-        if flag in start_args:
-            raise click.ClickException(f"{flag} is set per replica by `agentd cluster start`")
     threads = threads_per_replica or max(1, len(os.sched_getaffinity(0)) // replicas)
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
     state: dict[str, Any] = {"replicas": [], "start_args": list(start_args), "threads": threads,
@@ -80,13 +80,17 @@ def start(replicas: int, host: str, port: int, policy: str, threads_per_replica:
         state["replicas"].append(_replica_entry(root, index, port + 1 + index))
     _write(root, state)
     click.echo(f"starting {replicas} replica(s) with {threads} thread(s) each ...")
-    _start_replicas(state["replicas"], state)
-    for replica in state["replicas"]:
-        _register_pins(root, replica["url"])
     router_url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
-    state["router"] = _start_router(smg, root, host, port, policy,
-                                    [r["url"] for r in state["replicas"]], router_url,
-                                    shlex.split(router_args))
+    try:
+        _start_replicas(state["replicas"], state)
+        for replica in state["replicas"]:
+            _register_pins(root, replica["url"])
+        state["router"] = _start_router(smg, root, host, port, policy,
+                                        [r["url"] for r in state["replicas"]], router_url,
+                                        shlex.split(router_args))
+    except BaseException:  # nothing half-started is left running
+        _stop_replicas(state["replicas"])
+        raise
     _write(root, state)
     click.echo(f"agentd cluster ready at {router_url} ({policy}, replicas "
                f"{', '.join(r['url'] for r in state['replicas'])})")
@@ -168,11 +172,15 @@ def stop(cluster_dir: Path | None) -> None:
     pid = (state.get("router") or {}).get("pid")
     if _alive(pid):
         _terminate(pid)
-    for replica in state["replicas"]:
+    _stop_replicas(state["replicas"])
+    click.echo("agentd cluster stopped")
+
+
+def _stop_replicas(replicas: list[dict[str, Any]]) -> None:
+    for replica in replicas:
         subprocess.run([sys.executable, "-m", "agentd.cli", "stop", "--url", replica["url"],
                         "--state-dir", replica["state_dir"]], check=False,
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    click.echo("agentd cluster stopped")
 
 
 def smg_executable() -> str:

@@ -208,3 +208,22 @@ def test_start_help_says_each_daemon_takes_every_core(runner: CliRunner) -> None
     help_text = " ".join(runner.invoke(main, ["start", "--help"]).output.split())
     assert "[default: all cores]. Every daemon takes this many: with several daemons on one " \
         "host, give each its share" in help_text, help_text
+
+
+@pytest.mark.parametrize(("args", "needle"), [
+    (["status"], "no cluster in"),
+    (["stop"], "no cluster in"),
+    (["add"], "no cluster in"),
+    (["start", "--", "--port", "9000"], "--port is set per replica"),
+    (["start", "--", "--state-dir", "/tmp/x"], "--state-dir is set per replica"),
+    (["start", "--replicas", "0"], "Invalid value for '--replicas'"),
+])
+def test_cluster_mistakes_fail_in_one_line(runner: CliRunner, tmp_path: Path, args: list[str],
+                                           needle: str) -> None:
+    """Each fails before anything starts (no replica, no router)."""
+    subcommand, *rest = args
+    result = runner.invoke(main, ["cluster", subcommand, "--cluster-dir",
+                                  str(tmp_path / "cluster"), *rest])
+    assert result.exit_code != 0
+    assert needle in one_error_line(result)
+    assert not (tmp_path / "cluster" / "cluster.json").exists()

@@ -177,6 +177,34 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(num_threads)
 
 
+# Under xdist the two workers take whole files (`--dist loadfile`) in collection order, so a
+# long module collected last leaves one worker idle while the other finishes it. The longest
+# go first (seconds of test time on 2 cores, `--durations` and junit, 2026-12-03).
+LONGEST_FIRST = (
+    "server/test_structured_e2e.py",  # ~195 s: three cold 2,300-5,700-token agent prefixes
+    "server/test_cluster_e2e.py",  # ~160 s: two 2-replica clusters behind SMG
+    "model/test_default_model.py",  # ~74 s
+    "engine/test_closing.py",  # ~66 s
+    "model/test_equivalence.py",  # ~68 s
+    "model/test_loader.py",  # ~62 s
+    "server/test_pins_e2e.py",  # ~57 s
+    "server/test_e2e.py",  # ~45 s
+    "hardening/test_crash.py",  # ~40 s
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if "PYTEST_XDIST_WORKER" not in os.environ:
+        return
+    root = Path(__file__).parent
+
+    def rank(item: pytest.Item) -> int:
+        relative = item.path.relative_to(root).as_posix() if item.path.is_relative_to(root) else ""
+        return LONGEST_FIRST.index(relative) if relative in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: each module's tests keep their order
+
+
 # Tests that run tiny models in-process run single-threaded: tiny models gain nothing from
 # threads, and on a busy 2-core machine OpenMP's spin-waiting makes a 2-thread forward of a tiny
 # model up to 100x slower.

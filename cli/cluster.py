@@ -56,12 +56,16 @@ def command() -> None:
               help="SMG's routing policy.")
 @click.option("--threads-per-replica", default=None, type=click.IntRange(min=1),
               help="Torch threads per replica [default: the cores split evenly].")
+@click.option("--gpus", default=None, metavar="IDS",
+              help="GPU ids to share out, e.g. 0,1,2,3: replica i sees only id i mod their "
+                   "count (CUDA_VISIBLE_DEVICES) [default: the replicas see every GPU].")
 @click.option("--router-args", default="", metavar="ARGS",
               help="More `smg launch` options, e.g. \"--balance-abs-threshold 4\".")
 @cluster_dir_option
 @click.argument("start_args", nargs=-1, type=click.UNPROCESSED)
 def start(replicas: int, host: str, port: int, policy: str, threads_per_replica: int | None,
-          router_args: str, cluster_dir: Path | None, start_args: tuple[str, ...]) -> None:
+          gpus: str | None, router_args: str, cluster_dir: Path | None,
+          start_args: tuple[str, ...]) -> None:
     """Start the replicas and the router. Arguments after -- go to every replica's
     `agentd start`: agentd cluster start -- --model m.gguf --kv-cache-memory 2GiB"""
     root = _root(cluster_dir)
@@ -74,10 +78,13 @@ def start(replicas: int, host: str, port: int, policy: str, threads_per_replica:
                                    "first, or pass another --cluster-dir")
     threads = threads_per_replica or max(1, len(os.sched_getaffinity(0)) // replicas)
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    gpu_ids = [g.strip() for g in gpus.split(",") if g.strip()] if gpus else []
     state: dict[str, Any] = {"replicas": [], "start_args": list(start_args), "threads": threads,
-                             "policy": policy}
+                             "policy": policy, "gpus": gpu_ids}
     for index in range(replicas):
         state["replicas"].append(_replica_entry(root, index, port + 1 + index))
+        if gpu_ids:
+            state["replicas"][-1]["gpu"] = gpu_ids[index % len(gpu_ids)]
     _write(root, state)
     click.echo(f"starting {replicas} replica(s) with {threads} thread(s) each ...")
     router_url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
@@ -151,6 +158,8 @@ def add(cluster_dir: Path | None) -> None:
         raise click.ClickException("the cluster's router is not running; `agentd cluster start`")
     port = max(int(r["url"].rsplit(":", 1)[1]) for r in state["replicas"]) + 1
     replica = _replica_entry(root, len(state["replicas"]), port)
+    if gpu_ids := state.get("gpus"):
+        replica["gpu"] = gpu_ids[len(state["replicas"]) % len(gpu_ids)]
     state["replicas"].append(replica)
     _write(root, state)
     _start_replicas([replica], state)
@@ -218,10 +227,14 @@ def _start_replicas(replicas: list[dict[str, Any]], state: dict[str, Any]) -> No
     processes = []
     for replica in replicas:
         port = replica["url"].rsplit(":", 1)[1]
+        env = dict(os.environ)
+        if "gpu" in replica:
+            env["CUDA_VISIBLE_DEVICES"] = replica["gpu"]
         processes.append(subprocess.Popen(
             [sys.executable, "-m", "agentd.cli", "start", "--detach", "--port", port,
              "--state-dir", replica["state_dir"], "--num-threads", str(state["threads"]),
-             *state["start_args"]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+             *state["start_args"]], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=env))
     failed = []
     for replica, process in zip(replicas, processes, strict=True):
         out, _ = process.communicate()

@@ -69,8 +69,8 @@ def free_ports(count: int) -> int:
 class Cluster:
     """``agentd cluster start/stop`` in a directory of its own."""
 
-    def __init__(self, root: Path, policy: str) -> None:
-        self.root, self.policy = root, policy
+    def __init__(self, root: Path, policy: str, *options: str) -> None:
+        self.root, self.policy, self.options = root, policy, options
         self.port = free_ports(4)
         self.url = f"http://127.0.0.1:{self.port}"
 
@@ -83,7 +83,7 @@ class Cluster:
         done = subprocess.run(
             [sys.executable, "-m", "agentd.cli", "cluster", "start", "--replicas", "2",
              "--port", str(self.port), "--policy", self.policy, "--cluster-dir", str(self.root),
-             "--", *REPLICA_ARGS], capture_output=True, text=True, timeout=600)
+             *self.options, "--", *REPLICA_ARGS], capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stdout + done.stderr
         self.state = json.loads((self.root / "cluster.json").read_text())
         self.replicas = [r["url"] for r in self.state["replicas"]]
@@ -152,10 +152,14 @@ def round_robin(tmp_path_factory) -> dict[str, Any]:
 
 def test_cache_aware_routing_keeps_each_agent_on_its_replica(tmp_path_factory,
                                                              round_robin: dict[str, Any]) -> None:
-    with Cluster(tmp_path_factory.mktemp("ca"), "cache_aware") as cluster:
+    with Cluster(tmp_path_factory.mktemp("ca"), "cache_aware", "--gpus", "0,1") as cluster:
         status = cluster.cli("status", "--json")
         assert status.returncode == 0, status.stderr
         assert [r["status"] for r in json.loads(status.stdout)["replicas"]] == ["ready", "ready"]
+        for i, replica in enumerate(cluster.state["replicas"]):  # one GPU each (none used here)
+            pid = (Path(replica["state_dir"]) / "agentd.pid").read_text().strip()
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            assert f"CUDA_VISIBLE_DEVICES={i}".encode() in environ
 
         report = run_workloads(cluster)
         for name in WORKLOADS:

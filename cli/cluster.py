@@ -82,9 +82,7 @@ def start(replicas: int, host: str, port: int, policy: str, threads_per_replica:
     state: dict[str, Any] = {"replicas": [], "start_args": list(start_args), "threads": threads,
                              "policy": policy, "gpus": gpu_ids}
     for index in range(replicas):
-        state["replicas"].append(_replica_entry(root, index, port + 1 + index))
-        if gpu_ids:
-            state["replicas"][-1]["gpu"] = gpu_ids[index % len(gpu_ids)]
+        state["replicas"].append(_replica_entry(root, index, port + 1 + index, gpu_ids))
     _write(root, state)
     click.echo(f"starting {replicas} replica(s) with {threads} thread(s) each ...")
     router_url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
@@ -157,9 +155,7 @@ def add(cluster_dir: Path | None) -> None:
     if not _alive(router.get("pid")):
         raise click.ClickException("the cluster's router is not running; `agentd cluster start`")
     port = max(int(r["url"].rsplit(":", 1)[1]) for r in state["replicas"]) + 1
-    replica = _replica_entry(root, len(state["replicas"]), port)
-    if gpu_ids := state.get("gpus"):
-        replica["gpu"] = gpu_ids[len(state["replicas"]) % len(gpu_ids)]
+    replica = _replica_entry(root, len(state["replicas"]), port, state.get("gpus", []))
     state["replicas"].append(replica)
     _write(root, state)
     _start_replicas([replica], state)
@@ -218,8 +214,12 @@ def _write(root: Path, state: dict[str, Any]) -> None:
     write_atomic(root / "cluster.json", json.dumps(state, indent=2))
 
 
-def _replica_entry(root: Path, index: int, port: int) -> dict[str, Any]:
-    return {"url": f"http://127.0.0.1:{port}", "state_dir": str(root / f"replica-{index}")}
+def _replica_entry(root: Path, index: int, port: int, gpu_ids: list[str]) -> dict[str, Any]:
+    """Replica ``index``: its URL, state directory and, with ``--gpus``, its GPU."""
+    entry = {"url": f"http://127.0.0.1:{port}", "state_dir": str(root / f"replica-{index}")}
+    if gpu_ids:
+        entry["gpu"] = gpu_ids[index % len(gpu_ids)]
+    return entry
 
 
 def _start_replicas(replicas: list[dict[str, Any]], state: dict[str, Any]) -> None:

@@ -208,8 +208,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
     dtype = pick_dtype(config.dtype, device)
     weights = pick_weights(config, device, dtype, hf_config)
     # Shapes only: no memory, no random init.
-    model = LlamaModel(hf_config, device="meta")
-    model = model.to_empty(device="cpu")
+    model = LlamaModel(hf_config, device="meta").materialize("cpu")
     model.load_hf_state_dict(iter_state_dict(files, torch.float32))
     model = model.to(device=device, dtype=dtype).eval()
     kernels = install_weights(model, weights, files, config)

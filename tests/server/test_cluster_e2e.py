@@ -2,17 +2,18 @@
 SMG's ``smg launch`` on 127.0.0.1, as a user runs them), the real ``openai`` SDK through the
 router, and each replica's own ``/v1/stats`` as the judge of where requests went.
 
-Four agent workloads, six turns each (the workload's system prompt, a different user turn
-each): with ``cache_aware`` each workload's turns land on one replica and every turn after the
-first reads the whole system prompt from the cache; with ``round_robin`` they alternate and
-the hit rate is lower. Then a replica is killed with SIGKILL mid-generation: the request in
-flight fails with an error (no hang; SMG retries a request not yet answered on the
-other replica), new requests are served by the other replica, and the
-killed one, restarted on its state directory, has its pin back and is routed to again.
+Four agent workloads, six turns each (the start of the workload's system prompt, a different
+user turn each): with ``cache_aware`` each workload's turns land on one replica and every turn
+after the first reads the whole system prompt from the cache; with ``round_robin`` they
+alternate and the hit rate is lower. Then a replica is killed with SIGKILL mid-generation: the
+request in flight fails with an error (no hang; SMG retries a request not yet answered on the
+other replica), new requests are served by the other replica, and the killed one, restarted on
+its state directory, has its pin back and is routed to again.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -42,10 +43,14 @@ WORKLOADS = ("coding_agent", "support_agent", "research_agent", "code_edit_agent
 TURNS = 6
 BLOCK_SIZE = 16
 REPLICA_ARGS = ("--kv-cache-memory", "256MiB", "--log-level", "warning")
+# the first 1,600 characters of each system prompt (~400 tokens, 25 blocks): where a prompt goes
+# depends on its text, not on its length, and each whole prompt cost a cold prefill per replica
+SYSTEM_CHARS = 1600
 
 
 def workload(name: str) -> dict[str, Any]:
-    return json.loads(resources.files("agentd.workloads").joinpath(f"{name}.json").read_text())
+    data = json.loads(resources.files("agentd.workloads").joinpath(f"{name}.json").read_text())
+    return {**data, "system": data["system"][:SYSTEM_CHARS]}
 
 
 def turns_of(data: dict[str, Any]) -> list[str]:
@@ -107,15 +112,19 @@ def ask(client: openai.OpenAI, system: str, user: str, max_tokens: int = 4) -> A
         messages=[{"role": "system", "content": system}, {"role": "user", "content": user}])
 
 
-def system_prefix_tokens(system: str, users: list[str]) -> int:
-    """Tokens the turns' prompts share (the system turn): what a warm turn reads from cache,
-    rounded down to whole blocks."""
+@functools.cache
+def tokenizer() -> Any:
     from transformers import AutoTokenizer
 
     from agentd.model.loader import resolve_model
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(None).path)
-    ids = [render_chat(tokenizer, [{"role": "system", "content": system},
+    return AutoTokenizer.from_pretrained(resolve_model(None).path)
+
+
+def system_prefix_tokens(system: str, users: list[str]) -> int:
+    """Tokens the turns' prompts share (the system turn): what a warm turn reads from cache,
+    rounded down to whole blocks."""
+    ids = [render_chat(tokenizer(), [{"role": "system", "content": system},
                                    {"role": "user", "content": u}]).prompt_token_ids
            for u in users[:2]]
     shared = next(i for i, (a, b) in enumerate(zip(*ids, strict=False)) if a != b)

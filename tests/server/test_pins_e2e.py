@@ -2,10 +2,10 @@
 
 ``agentd pin`` (the CLI, as a user runs it) pins the research agent's system prompt and tools;
 chat requests through the ``openai`` SDK with any user message then report the whole pin as
-cached. Unique prompts worth twice the pool churn every unpinned block: the pin still hits in
-full while an unpinned prefix used at the same time is evicted. Then ``kill -9`` and a restart
-on the same state dir: the pin is back (from its KV snapshot) before ``/health`` says ready, and
-the first request hits.
+cached. Unique prompts worth twice the pool's unpinned blocks churn every one of them: the pin
+still hits in full while an unpinned prefix used at the same time is evicted. Then ``kill -9``
+and a restart on the same state dir: the pin is back (from its KV snapshot) before ``/health``
+says ready, and the first request hits.
 """
 
 from __future__ import annotations
@@ -71,11 +71,13 @@ def test_pin_survives_pressure_and_kill_9(daemon, research: dict[str, Any]) -> N
         assert chat(client, research["system"], text, research["tools"]) >= num_tokens
     assert chat(client, unpinned, "Can I return a lamp?") >= 128
 
-    # pressure: unique prompts worth twice the whole pool
+    # pressure: unique prompts worth twice the blocks a pin does not hold (the only ones that
+    # can be evicted; more only repeats the churn)
     stats = httpx.get(f"{daemon.url}/v1/stats").json()
     assert stats["num_blocks_pinned"] == num_blocks
     rng = random.Random(0)
-    num_prompts = 2 * stats["num_blocks_total"] // UNIQUE_PROMPT_BLOCKS
+    evictable = stats["num_blocks_total"] - num_blocks
+    num_prompts = 2 * evictable // UNIQUE_PROMPT_BLOCKS + 1
     for _ in range(num_prompts):
         ids = [rng.randrange(1000, 40000) for _ in range(UNIQUE_PROMPT_BLOCKS * 16)]
         reply = client.completions.create(model=MODEL, prompt=ids, max_tokens=1)

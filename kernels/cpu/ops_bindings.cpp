@@ -4,7 +4,10 @@
 //
 // Invariant: every function reads and writes only the tensors it is given, through their strides
 // (q/k/v are views of one fused projection), and releases the GIL while kernels run.
-#include <torch/extension.h>
+// Only the torch headers these bindings use (see bindings.cpp).
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <ATen/Parallel.h>
 

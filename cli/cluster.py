@@ -156,15 +156,22 @@ def add(cluster_dir: Path | None) -> None:
         raise click.ClickException("the cluster's router is not running; `agentd cluster start`")
     port = max(int(r["url"].rsplit(":", 1)[1]) for r in state["replicas"]) + 1
     replica = _replica_entry(root, len(state["replicas"]), port, state.get("gpus", []))
+    before = [*state["replicas"]]
+    # listed before it starts, so that `stop` finds it if this command dies half way
     state["replicas"].append(replica)
     _write(root, state)
-    _start_replicas([replica], state)
-    _register_pins(root, replica["url"])
-    response = DaemonClient(router["url"]).request("POST", "/workers",
-                                                   json={"url": replica["url"]})
-    if response.is_error:
-        raise click.ClickException(f"the router refused {replica['url']}: "
-                                   f"{error_message(response)}")
+    try:
+        _start_replicas([replica], state)
+        _register_pins(root, replica["url"])
+        response = DaemonClient(router["url"]).request("POST", "/workers",
+                                                       json={"url": replica["url"]})
+        if response.is_error:
+            raise click.ClickException(f"the router refused {replica['url']}: "
+                                       f"{error_message(response)}")
+    except click.ClickException:  # the cluster stays as it was
+        _stop_replicas([replica])
+        _write(root, {**state, "replicas": before})
+        raise
     click.echo(f"replica {replica['url']} added")
 
 

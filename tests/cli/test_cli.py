@@ -204,6 +204,21 @@ def test_status_shows_load_time_memory_context_and_kv_pool() -> None:
     assert startup_rows({"model": "an older daemon"}) == []
 
 
+def test_a_replica_that_fails_to_start_is_not_added(runner: CliRunner, tmp_path: Path) -> None:
+    """``cluster add`` whose replica cannot start: one error line, and cluster.json lists the
+    replicas it listed before (``status`` would show a replica that never ran as down)."""
+    root = tmp_path / "cluster"
+    root.mkdir()
+    state = {"router": {"pid": os.getpid(), "url": "http://127.0.0.1:9"}, "threads": 1,
+             "replicas": [{"url": "http://127.0.0.1:23001", "state_dir": str(root / "replica-0")}],
+             "start_args": ["--no-such-option"]}
+    (root / "cluster.json").write_text(json.dumps(state))
+    result = runner.invoke(main, ["cluster", "add", "--cluster-dir", str(root)])
+    assert result.exit_code != 0
+    assert "replicas failed to start" in one_error_line(result)
+    assert json.loads((root / "cluster.json").read_text()) == state
+
+
 def test_start_help_says_each_daemon_takes_every_core(runner: CliRunner) -> None:
     help_text = " ".join(runner.invoke(main, ["start", "--help"]).output.split())
     assert "[default: all cores]. Every daemon takes this many: with several daemons on one " \

@@ -175,21 +175,33 @@ def pytest_configure(config: pytest.Config) -> None:
         num_threads = max(1, len(os.sched_getaffinity(0)) // num_workers)
         os.environ["OMP_NUM_THREADS"] = str(num_threads)  # for the daemons it starts
         torch.set_num_threads(num_threads)
+    if hasattr(config.option, "loadscopereorder"):
+        # xdist hands out files by their number of tests, most first, unless told not to: the
+        # one-test e2e modules (the router's, the pins', ~100 s and ~30 s) went last, one
+        # worker idle while the other ran them. The collection order below is the one kept.
+        config.option.loadscopereorder = False
 
 
 # Under xdist the two workers take whole files (`--dist loadfile`) in collection order, so a
 # long module collected last leaves one worker idle while the other finishes it. The longest
 # go first (seconds of test time on 2 cores, `--durations` and junit, 2026-12-03).
 LONGEST_FIRST = (
-    "server/test_structured_e2e.py",  # ~195 s: three cold 2,300-5,700-token agent prefixes
-    "server/test_cluster_e2e.py",  # ~160 s: two 2-replica clusters behind SMG
+    "server/test_structured_e2e.py",  # ~160 s: a cold 5,700-token agent prefix, 10 forced calls
+    "server/test_cluster_e2e.py",  # ~100 s: two 2-replica clusters behind SMG
     "model/test_default_model.py",  # ~74 s
     "engine/test_closing.py",  # ~66 s
     "model/test_equivalence.py",  # ~68 s
     "model/test_loader.py",  # ~62 s
-    "server/test_pins_e2e.py",  # ~57 s
     "server/test_e2e.py",  # ~45 s
     "hardening/test_crash.py",  # ~40 s
+    "cli/test_bench.py",  # ~36 s
+    "engine/test_spec_engine.py",  # ~35 s
+    "hardening/test_fuzz.py",  # ~32 s
+    "server/test_pins_e2e.py",  # ~30 s
+    "server/test_retention_e2e.py",  # ~28 s
+    "model/test_packed_linear.py",  # ~28 s
+    "engine/test_pin_restore.py",  # ~27 s
+    "hardening/test_disconnects.py",  # ~24 s
 )
 
 

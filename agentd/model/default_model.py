@@ -133,7 +133,7 @@ def convert_gguf(gguf: Path, out_dir: Path, progress: bool = True) -> None:
     """
     import torch
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
     gguf = gguf.expanduser().resolve()
@@ -141,9 +141,8 @@ def convert_gguf(gguf: Path, out_dir: Path, progress: bool = True) -> None:
     if not progress:
         hf_logging.disable_progress_bar()
     try:
-        kwargs = {"gguf_file": gguf.name}
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32,
+                                                     gguf_file=gguf.name)
     except Exception as exc:  # any parse failure means the same to the user
         raise ModelLoadError(
             f"cannot convert {gguf} ({exc}); pass a .gguf of a supported architecture "
@@ -158,7 +157,7 @@ def convert_gguf(gguf: Path, out_dir: Path, progress: bool = True) -> None:
         state.pop("lm_head.weight", None)  # shares storage with the embeddings
     save_file({k: v.contiguous() for k, v in state.items()}, out_dir / _WEIGHTS_FILE)
     (out_dir / "config.json").write_text(json.dumps(_config_dict(model), indent=2, default=str))
-    tokenizer.save_pretrained(out_dir)
+    save_gguf_tokenizer(gguf, out_dir)  # the tokenizer AutoTokenizer builds, 5 s sooner
 
 
 def save_gguf_tokenizer(gguf: Path, out_dir: Path) -> None:

@@ -32,13 +32,6 @@ import torch
 
 from agentd.bench.spawn import DaemonNotReady, SpawnedDaemon, free_port
 
-# The suite starts a few hundred Python processes (xdist workers, daemons, CLI calls). Where
-# PYTHONDONTWRITEBYTECODE is set (as on this project's build machine), each compiled the modules it
-# imported again, agentd's and transformers' among them: this process and all it starts write
-# bytecode as Python does by default (into __pycache__, ignored by git).
-os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
-sys.dont_write_bytecode = False
-
 QWEN_STYLE_TEMPLATE = """
 {%- if tools %}
     {{- '<|im_start|>system\\n' }}
@@ -193,8 +186,8 @@ def pytest_configure(config: pytest.Config) -> None:
 # long module collected last leaves one worker idle while the other finishes it. The longest
 # go first (seconds of test time on 2 cores, `--durations` and junit, 2026-12-03).
 LONGEST_FIRST = (
-    "server/test_structured_e2e.py",  # ~145 s: a cold 5,700-token agent prefix, 10 forced calls
-    "server/test_cluster_e2e.py",  # ~55 s: a 2-replica cluster behind SMG
+    "server/test_structured_e2e.py",  # ~160 s: a cold 5,700-token agent prefix, 10 forced calls
+    "server/test_cluster_e2e.py",  # ~100 s: two 2-replica clusters behind SMG
     "model/test_default_model.py",  # ~74 s
     "engine/test_closing.py",  # ~66 s
     "model/test_equivalence.py",  # ~68 s

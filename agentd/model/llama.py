@@ -358,7 +358,8 @@ class LlamaModel(nn.Module):
 
     def tie_weights(self) -> None:
         """With ``tie_word_embeddings`` the LM head *is* the embedding matrix (one tensor, as in
-        transformers), not a copy of it. Call again after ``to_empty``."""
+        transformers), not a copy of it. Call again after ``to_empty``; :meth:`materialize`
+        does."""
         if self.dims.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 

@@ -186,8 +186,8 @@ def pytest_configure(config: pytest.Config) -> None:
 # long module collected last leaves one worker idle while the other finishes it. The longest
 # go first (seconds of test time on 2 cores, `--durations` and junit, 2026-12-03).
 LONGEST_FIRST = (
-    "server/test_structured_e2e.py",  # ~160 s: a cold 5,700-token agent prefix, 10 forced calls
-    "server/test_cluster_e2e.py",  # ~100 s: two 2-replica clusters behind SMG
+    "server/test_structured_e2e.py",  # ~145 s: a cold 5,700-token agent prefix, 10 forced calls
+    "server/test_cluster_e2e.py",  # ~55 s: a 2-replica cluster behind SMG
     "model/test_default_model.py",  # ~74 s
     "engine/test_closing.py",  # ~66 s
     "model/test_equivalence.py",  # ~68 s

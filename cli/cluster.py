@@ -168,7 +168,7 @@ def add(cluster_dir: Path | None) -> None:
         if response.is_error:
             raise click.ClickException(f"the router refused {replica['url']}: "
                                        f"{error_message(response)}")
-    except click.ClickException:  # the cluster stays as it was
+    except BaseException:  # the cluster stays as it was (as `start` leaves nothing half-started)
         _stop_replicas([replica])
         _write(root, {**state, "replicas": before})
         raise

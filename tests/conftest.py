@@ -177,31 +177,31 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(num_threads)
     if hasattr(config.option, "loadscopereorder"):
         # xdist hands out files by their number of tests, most first, unless told not to: the
-        # one-test e2e modules (the router's, the pins', ~100 s and ~30 s) went last, one
+        # one-test e2e modules (the router's, the pins', ~55 s and ~30 s) went last, one
         # worker idle while the other ran them. The collection order below is the one kept.
         config.option.loadscopereorder = False
 
 
 # Under xdist the two workers take whole files (`--dist loadfile`) in collection order, so a
 # long module collected last leaves one worker idle while the other finishes it. The longest
-# go first (seconds of test time on 2 cores, `--durations` and junit, 2026-12-03).
+# go first (seconds of test time on 2 cores, junit of `pytest -n 2`, 2026-12-03).
 LONGEST_FIRST = (
     "server/test_structured_e2e.py",  # ~145 s: a cold 5,700-token agent prefix, 10 forced calls
-    "server/test_cluster_e2e.py",  # ~55 s: a 2-replica cluster behind SMG
-    "model/test_default_model.py",  # ~74 s
-    "engine/test_closing.py",  # ~66 s
-    "model/test_equivalence.py",  # ~68 s
-    "model/test_loader.py",  # ~62 s
-    "server/test_e2e.py",  # ~45 s
-    "hardening/test_crash.py",  # ~40 s
-    "cli/test_bench.py",  # ~36 s
-    "engine/test_spec_engine.py",  # ~35 s
-    "hardening/test_fuzz.py",  # ~32 s
-    "server/test_pins_e2e.py",  # ~30 s
-    "server/test_retention_e2e.py",  # ~28 s
-    "model/test_packed_linear.py",  # ~28 s
-    "engine/test_pin_restore.py",  # ~27 s
-    "hardening/test_disconnects.py",  # ~24 s
+    "server/test_cluster_e2e.py",  # ~55 s: a 2-replica cluster behind SMG (3 processes)
+    "model/test_default_model.py",  # ~60 s
+    "engine/test_closing.py",  # ~56 s
+    "model/test_equivalence.py",  # ~54 s
+    "model/test_loader.py",  # ~54 s
+    "server/test_e2e.py",  # ~38 s
+    "hardening/test_crash.py",  # ~38 s
+    "server/test_pins_e2e.py",  # ~34 s
+    "cli/test_bench.py",  # ~33 s
+    "engine/test_spec_engine.py",  # ~28 s
+    "server/test_retention_e2e.py",  # ~26 s
+    "hardening/test_fuzz.py",  # ~23 s
+    "model/test_packed_linear.py",  # ~23 s
+    "engine/test_pin_restore.py",  # ~23 s
+    "hardening/test_disconnects.py",  # ~21 s
 )
 
 

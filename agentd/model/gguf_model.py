@@ -19,95 +19,21 @@ comes from the file (a tensor the file lacks is a one-line ``ModelLoadError``, n
 
 from __future__ import annotations
 
-import mmap
-import warnings
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
 from agentd.kernels import cpu as ggml
 from agentd.model.ggml_linear import QUANT_MODULES, FusedQuantLinear, QuantEmbedding, QuantLinear
-from agentd.model.gguf_index import GgufIndex, TensorInfo, read_index
+from agentd.model.gguf_index import GgufFile
 from agentd.model.llama import LlamaModel
 from agentd.model.loader import ModelConfig, ModelLoadError, UnsupportedModelError
 
 # general.architecture -> model type. Mistral's files say "llama" (same keys, same layout).
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM"}
-REQUANTIZE_HINT = ("re-quantize to Q4_K_M/Q8_0 with llama-quantize, or pass --weights float32 to "
-                   "convert")
-_FLOAT_TYPES = {"F32": np.float32, "F16": np.float16}
-
-
-@dataclass(frozen=True)
-class GgufFile:
-    """A GGUF's index and its bytes, mapped read-only.
-
-    Attributes:
-        data: uint8 ``[file bytes]`` over the mapping; weights are views of it.
-    """
-
-    path: Path
-    index: GgufIndex
-    tensors: dict[str, TensorInfo]
-    data: torch.Tensor
-
-    @classmethod
-    def open(cls, path: Path) -> GgufFile:
-        try:
-            index = read_index(path)
-        except ValueError as exc:  # a tensor type the index does not know (IQ*, TQ*, ...)
-            raise ModelLoadError(f"{exc}; {REQUANTIZE_HINT}") from exc
-        with path.open("rb") as f:
-            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        with warnings.catch_warnings():  # read-only on purpose: nothing writes a weight
-            warnings.filterwarnings("ignore", message=".*not writable.*")
-            data = torch.from_numpy(np.frombuffer(mapping, dtype=np.uint8))
-        return cls(path, index, {t.name: t for t in index.tensors}, data)
-
-    def address_range(self) -> tuple[int, int]:
-        """``[start, end)`` of the mapping in this process's address space."""
-        start = self.data.data_ptr()
-        return start, start + self.data.numel()
-
-    def info(self, name: str) -> TensorInfo:
-        if name not in self.tensors:
-            raise ModelLoadError(f"{self.path.name} has no tensor {name}; pass a complete GGUF of "
-                                 "a supported architecture")
-        return self.tensors[name]
-
-    def rows(self, name: str, out_features: int, in_features: int) -> tuple[torch.Tensor, str]:
-        """A weight's blocks as ``uint8 [out_features, row_bytes]`` (a view) and their format."""
-        info = self.info(name)
-        if info.shape != (in_features, out_features):
-            raise ModelLoadError(f"{self.path.name}: tensor {name} has ggml shape {info.shape}, "
-                                 f"expected {(in_features, out_features)} from the header")
-        kind = ggml.GGML_TYPES.get(info.type_name)
-        if kind is None or in_features % kind.block_weights:
-            raise ModelLoadError(f"{self.path.name}: tensor {name} is {info.type_name}, which "
-                                 f"--weights gguf does not serve; {REQUANTIZE_HINT}")
-        raw = self.data[info.offset:info.offset + info.num_bytes]
-        return raw.view(out_features, -1), info.type_name
-
-    def floats(self, name: str, numel: int) -> torch.Tensor:
-        """A small F32/F16 tensor (a norm weight, a bias) copied out as float32."""
-        info = self.info(name)
-        count = int(np.prod(info.shape))
-        if info.type_name not in _FLOAT_TYPES or count != numel:
-            raise ModelLoadError(f"{self.path.name}: tensor {name} is {info.type_name} "
-                                 f"{info.shape}, expected F32 of {numel} values")
-        dtype = _FLOAT_TYPES[info.type_name]
-        raw = self.data[info.offset:info.offset + info.num_bytes].numpy()
-        return torch.from_numpy(raw.view(dtype).astype(np.float32))
-
-    def type_counts(self) -> str:
-        """``"Q4_K x 169, Q6_K x 25, F32 x 49"``: the file's tensor types, most common first."""
-        counts = Counter(t.type_name for t in self.index.tensors)
-        return ", ".join(f"{name} x {n}" for name, n in counts.most_common())
 
 
 def model_config(gguf: GgufFile) -> ModelConfig:

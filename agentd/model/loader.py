@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agentd.model.errors import ModelLoadError, UnsupportedModelError
+from agentd.model.paths import default_cache_dir
 
 if TYPE_CHECKING:
     import torch
@@ -51,15 +52,6 @@ class ModelFiles:
     name: str
     source: str
     gguf: Path | None = None
-
-
-def default_cache_dir() -> Path:
-    """`$AGENTD_CACHE_DIR`, else `$XDG_CACHE_HOME/agentd`, else `~/.cache/agentd`."""
-    if explicit := os.environ.get("AGENTD_CACHE_DIR"):
-        return Path(explicit).expanduser()
-    if xdg := os.environ.get("XDG_CACHE_HOME"):
-        return Path(xdg).expanduser() / "agentd"
-    return Path.home() / ".cache" / "agentd"
 
 
 def resolve_model(

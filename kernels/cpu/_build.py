@@ -34,7 +34,7 @@ from types import ModuleType
 
 import torch
 
-from agentd.model.loader import default_cache_dir
+from agentd.model.paths import default_cache_dir
 
 logger = logging.getLogger(__name__)
 

@@ -70,7 +70,7 @@ def ensure_converted(gguf: Path, cache_dir: Path, progress: bool = True) -> Path
     target = converted_dir(gguf, cache_dir)
     return _build_once(target, is_complete,
                        lambda staging: convert_gguf(gguf, staging, progress=progress),
-                       f"Converting {gguf.name} to safetensors once (~20 s); cached at {target}")
+                       f"Converting {gguf.name} to safetensors once (seconds); cached at {target}")
 
 
 def tokenizer_dir(gguf: Path, cache_dir: Path) -> Path:
@@ -127,16 +127,25 @@ def _exclusive_lock(lock_path: Path) -> Iterator[None]:
 
 
 def convert_gguf(gguf: Path, out_dir: Path, progress: bool = True) -> None:
-    """Dequantize `gguf` with transformers and write an fp32 Hugging Face directory.
+    """Dequantize `gguf` and write an fp32 Hugging Face directory: by agentd's own reader where
+    it mirrors transformers (llama and qwen2 files, :mod:`agentd.model.gguf_convert`), through
+    transformers otherwise."""
+    from agentd.model import gguf_convert
 
-    `save_pretrained` refuses GGUF-quantized models, so the weights and config are written here.
-    """
+    gguf = gguf.expanduser().resolve()
+    if not gguf_convert.convert(gguf, out_dir, _WEIGHTS_FILE):
+        _convert_with_transformers(gguf, out_dir, progress)
+    save_gguf_tokenizer(gguf, out_dir)  # the tokenizer AutoTokenizer builds, 5 s sooner
+
+
+def _convert_with_transformers(gguf: Path, out_dir: Path, progress: bool) -> None:
+    """`save_pretrained` refuses GGUF-quantized models, so the weights and config are written
+    here."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    gguf = gguf.expanduser().resolve()
     bars_were_on = hf_logging.is_progress_bar_enabled()
     if not progress:
         hf_logging.disable_progress_bar()
@@ -157,7 +166,6 @@ def convert_gguf(gguf: Path, out_dir: Path, progress: bool = True) -> None:
         state.pop("lm_head.weight", None)  # shares storage with the embeddings
     save_file({k: v.contiguous() for k, v in state.items()}, out_dir / _WEIGHTS_FILE)
     (out_dir / "config.json").write_text(json.dumps(_config_dict(model), indent=2, default=str))
-    save_gguf_tokenizer(gguf, out_dir)  # the tokenizer AutoTokenizer builds, 5 s sooner
 
 
 def save_gguf_tokenizer(gguf: Path, out_dir: Path) -> None:

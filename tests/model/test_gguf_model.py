@@ -13,6 +13,7 @@ agentd.kernels.cpu.
 
 from __future__ import annotations
 
+import json
 import resource
 from pathlib import Path
 
@@ -25,12 +26,15 @@ from torch import nn
 
 from agentd.config import EngineConfig
 from agentd.engine import LLMEngine
+from agentd.kernels import cpu as ggml
 from agentd.kv_sizing import proc_status_bytes
 from agentd.llm import LLM
+from agentd.model import default_model, gguf_convert
 from agentd.model.build import LoadedModel, eos_token_ids
 from agentd.model.default_model import default_gguf_path
 from agentd.model.ggml_linear import QUANT_MODULES, QuantEmbedding, QuantLinear
-from agentd.model.gguf_model import GgufFile, load_gguf_model
+from agentd.model.gguf_index import GgufFile
+from agentd.model.gguf_model import load_gguf_model
 from agentd.model.llama import RotaryEmbedding, pack_linears, rope_inv_freq
 from agentd.model.loader import (
     ModelConfig,
@@ -170,6 +174,7 @@ def write_gguf(model: transformers.PreTrainedModel, path: Path) -> Path:
     writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(c.rope_parameters["rope_theta"])
     writer.add_layer_norm_rms_eps(c.rms_norm_eps)
+    writer.add_vocab_size(c.vocab_size)
     for name, tensor in model.state_dict().items():
         rows = tensor.float().numpy()
         if arch == "llama" and (".q_proj." in name or ".k_proj." in name):
@@ -225,6 +230,72 @@ def test_f32_gguf_matches_transformers(arch: str, tiny_model_factory, tmp_path: 
     assert error <= F32_LOGITS_ATOL
     for prompt, out, logits in zip(prompts, outputs, expected, strict=True):
         assert out == logits[len(prompt) - 1:].argmax(-1).tolist()
+
+
+# ------------------------------------------------------- the fp32 conversion (agentd's reader)
+
+
+def own_conversion(path: Path) -> tuple[dict[str, torch.Tensor], str]:
+    """``path`` converted by agentd's reader: its state dict and config.json text."""
+    from safetensors.torch import load_file
+
+    out = path.with_suffix(".converted")
+    out.mkdir()
+    assert gguf_convert.convert(path, out, "model.safetensors")
+    return load_file(out / "model.safetensors"), (out / "config.json").read_text()
+
+
+def transformers_config_json(model: transformers.PreTrainedModel) -> str:
+    """The config.json the conversion through transformers writes for ``model``."""
+    return json.dumps(default_model._config_dict(model), indent=2, default=str)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_conversion_gives_back_the_transformers_weights(arch: str, tiny_model_factory,
+                                                        tmp_path: Path) -> None:
+    # llama's q/k rows go back to transformers' order; qwen2's biases come along
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_factory(arch),
+                                                                 dtype=torch.float32)
+    path = write_gguf(hf_model, tmp_path / f"{arch}.gguf")
+    state, config = own_conversion(path)
+    expected = hf_model.state_dict()
+    assert state.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert state[name].equal(tensor), name
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name,
+                                                                  dtype=torch.float32)
+    assert config == transformers_config_json(reference)
+
+
+@pytest.mark.parametrize(("type_name", "isa"), [("Q4_K_M", None), ("Q4_K_M", "torch"),
+                                                ("Q8_0", None), ("Q4_0", None), ("F16", None)])
+def test_conversion_equals_transformers_dequantization(type_name: str, isa: str | None,
+                                                       tmp_path: Path) -> None:
+    # Q4_K and Q6_K (Q4_K_M's mix), Q8_0, Q4_0 and F16 blocks, on the native kernels and on the
+    # torch path of a machine without a compiler; the default model's Q4_1 is test_loader's
+    path = tmp_path / f"tiny-{type_name}.gguf"
+    write_synth_gguf(path, "tiny", type_name, tokenizer=False)
+    ggml.set_isa(isa)
+    try:
+        state, config = own_conversion(path)
+    finally:
+        ggml.set_isa(None)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name,
+                                                                  dtype=torch.float32)
+    expected = {k: v for k, v in reference.state_dict().items() if k != "lm_head.weight"}
+    assert state.keys() == expected.keys()  # tied: the head is the embedding
+    for name, tensor in expected.items():
+        assert state[name].equal(tensor), name
+    assert config == transformers_config_json(reference)
+
+
+def test_a_file_the_reader_does_not_mirror_goes_through_transformers(tiny_model_factory,
+                                                                       tmp_path: Path) -> None:
+    hf_model = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_factory("qwen3"),
+                                                                 dtype=torch.float32)
+    path = write_gguf(hf_model, tmp_path / "qwen3.gguf")
+    assert not gguf_convert.convert(path, tmp_path, "model.safetensors")
+    assert list(tmp_path.iterdir()) == [path]  # nothing written
 
 
 # ---------------------------------------------------------------- the synth tiny Q4_K_M file

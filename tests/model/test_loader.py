@@ -358,6 +358,12 @@ def test_converted_default_matches_gguf_logits(
     gguf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)
     converted = AutoModelForCausalLM.from_pretrained(files.path)
     assert converted.dtype == torch.float32
+    # agentd's reader wrote it (gguf_convert): what transformers reads from the GGUF, exactly
+    assert (files.path / "config.json").read_text() == json.dumps(
+        default_model._config_dict(gguf_model), indent=2, default=str)
+    expected = gguf_model.state_dict()
+    for name, tensor in converted.state_dict().items():
+        assert tensor.equal(expected[name]), name
 
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     prompt = gguf_tokenizer.apply_chat_template(messages, tokenize=False)

@@ -198,6 +198,7 @@ LONGEST_FIRST = (
     "cli/test_bench.py",  # ~33 s
     "engine/test_spec_engine.py",  # ~28 s
     "server/test_retention_e2e.py",  # ~26 s
+    "kernels/test_prefill_attention.py",  # ~25 s: Triton's interpreter
     "hardening/test_fuzz.py",  # ~23 s
     "model/test_packed_linear.py",  # ~23 s
     "engine/test_pin_restore.py",  # ~23 s

@@ -164,8 +164,7 @@ class LLMEngine:
         self.kv_plan = _plan_pool(config, loaded, kv_dtype, memory_probe, unresident)
         self.num_blocks = self.kv_plan.num_blocks
         self.max_model_len = self.kv_plan.max_model_len
-        backend = get_attention_backend(config.attention_backend, loaded.device,
-                                        native_cpu=loaded.model.native_ops)
+        backend = get_attention_backend(config.attention_backend, loaded.device)
         # routers' KV events: every hash the pool stores or evicts (a null sink unless asked)
         self.kv_events = open_kv_events(config.kv_events, self.model_name, config.block_size,
                                         loaded.device.type)

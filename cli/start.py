@@ -102,8 +102,8 @@ def _option(name: str, **kwargs: Any) -> Any:
               "dequantize per step (least memory, slower prefill).")
 @_option("--attention-backend", default=_DEFAULTS["attention_backend"],
          type=click.Choice(["auto", "torch", "cpu", "triton"]),
-         help="Attention kernels: triton on CUDA; on the CPU agentd's C++ ones (cpu) for a "
-              "GGUF served as it ships, torch's (the references) otherwise.")
+         help="Attention kernels: triton on CUDA; on the CPU agentd's C++ decode attention "
+              "(cpu), or torch's references (torch).")
 @_option("--cpu-linear", default=_DEFAULTS["cpu_linear"],
          type=click.Choice(["onednn", "torch"]),
          help="CPU matmuls: oneDNN with packed weights, or torch's F.linear.")

@@ -1,8 +1,9 @@
 """Backend selection: the runner calls ``write_kv``, ``decode`` and ``prefill`` on one object.
 
-``torch`` holds the references (the CPU path of every model), ``cpu`` runs decode attention in
-agentd's C++ extension (``agentd.kernels.cpu.fused``; models whose layers use the fused CPU ops,
-GGUFs served as they ship), ``triton`` is CUDA's.
+``torch`` holds the references, ``cpu`` runs decode attention in agentd's C++ extension
+(``agentd.kernels.cpu.fused``: the paged pool read in place, a shared prefix once per group of
+rows; torch's reference where the extension is not built or the activations are not fp32) and
+prefill on torch, ``triton`` is CUDA's.
 """
 
 from __future__ import annotations
@@ -53,12 +54,10 @@ def _cpu_backend() -> AttentionBackend:
                             torch_prefill_attention)
 
 
-def get_attention_backend(name: str, device: torch.device,
-                          native_cpu: bool = False) -> AttentionBackend:
-    """Pick ``torch``, ``cpu`` or ``triton``; ``auto`` is Triton on CUDA, elsewhere ``cpu`` for
-    a model on the fused CPU ops (``native_cpu``) and torch for the others."""
+def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """Pick ``torch``, ``cpu`` or ``triton``; ``auto`` is Triton on CUDA, ``cpu`` on the CPU."""
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "cpu" if native_cpu else "torch"
+        name = "triton" if device.type == "cuda" else "cpu" if device.type == "cpu" else "torch"
     if name == "torch":
         return TORCH_BACKEND
     if name == "cpu":

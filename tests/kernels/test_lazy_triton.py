@@ -12,7 +12,7 @@ def test_the_cpu_path_does_not_import_triton() -> None:
         "import agentd.server.app\n"
         "from agentd.kernels import get_attention_backend\n"
         "from agentd.kernels.prefill_attention import torch_prefill_attention\n"
-        "assert get_attention_backend('auto', torch.device('cpu')).name == 'torch'\n"
+        "assert get_attention_backend('auto', torch.device('cpu')).name == 'cpu'\n"
         "q = torch.randn(5, 4, 16)\n"
         "kv = torch.randn(4, 2, 4, 2, 16)\n"
         "torch_prefill_attention(q, kv, torch.tensor([[0, 1]], dtype=torch.int32),\n"

@@ -26,12 +26,13 @@ import sys
 import tempfile
 import threading
 import time
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
+
+from agentd.bench.workload import load_workload, opening_turns, packaged_path
 
 MODEL = "SmolLM2-135M-Instruct"
 WORKLOADS = ("coding_agent", "support_agent", "research_agent", "code_edit_agent")
@@ -52,11 +53,9 @@ def parse_args() -> argparse.Namespace:
 def agents(num_agents: int, num_turns: int) -> list[tuple[str, list[str]]]:
     out = []
     for i in range(num_agents):
-        data = json.loads(resources.files("agentd.workloads")
-                          .joinpath(f"{WORKLOADS[i % len(WORKLOADS)]}.json").read_text())
-        system = data["system"] if i < len(WORKLOADS) else f"Agent {i}.\n{data['system']}"
-        firsts = [c[0]["content"] for c in data["conversations"] if c and c[0]["role"] == "user"]
-        out.append((system, (data["turns"] + firsts)[:num_turns]))
+        data = load_workload(packaged_path(WORKLOADS[i % len(WORKLOADS)]))
+        system = data.system if i < len(WORKLOADS) else f"Agent {i}.\n{data.system}"
+        out.append((system, opening_turns(data, num_turns)))
     return out
 
 

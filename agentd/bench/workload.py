@@ -92,6 +92,13 @@ def load_workload(path: Path) -> Workload:
                     num_tools_total=len(tools), system_chars_total=len(data["system"]))
 
 
+def opening_turns(workload: Workload, count: int) -> list[str]:
+    """The first ``count`` messages that open a request of ``workload``: its single turns, then
+    its conversations' first user messages."""
+    firsts = [c[0]["content"] for c in workload.conversations if c and c[0]["role"] == "user"]
+    return (workload.turns + firsts)[:count]
+
+
 def median_turn(workload: Workload, tokenizer: Any) -> str:
     by_len = sorted(workload.turns, key=lambda t: len(_ids(tokenizer, t)))
     return by_len[len(by_len) // 2]

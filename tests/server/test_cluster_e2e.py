@@ -25,7 +25,6 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,7 @@ import httpx
 import openai
 import pytest
 
+from agentd.bench.workload import load_workload, opening_turns, packaged_path
 from agentd.chat import render_chat
 
 pytestmark = pytest.mark.slow
@@ -49,14 +49,10 @@ REPLICA_ARGS = ("--kv-cache-memory", "256MiB", "--log-level", "warning")
 SYSTEM_CHARS = 1600
 
 
-def workload(name: str) -> dict[str, Any]:
-    data = json.loads(resources.files("agentd.workloads").joinpath(f"{name}.json").read_text())
-    return {**data, "system": data["system"][:SYSTEM_CHARS]}
-
-
-def turns_of(data: dict[str, Any]) -> list[str]:
-    firsts = [c[0]["content"] for c in data["conversations"] if c and c[0]["role"] == "user"]
-    return (data["turns"] + firsts)[:TURNS]
+def workload(name: str) -> tuple[str, list[str]]:
+    """A workload's system prompt, cut to ``SYSTEM_CHARS``, and its first ``TURNS`` turns."""
+    data = load_workload(packaged_path(name))
+    return data.system[:SYSTEM_CHARS], opening_turns(data, TURNS)
 
 
 def free_ports(count: int) -> int:
@@ -138,16 +134,16 @@ def run_workloads(cluster: Cluster) -> dict[str, Any]:
     client = cluster.client()
     report: dict[str, Any] = {}
     for name in WORKLOADS:
-        data = workload(name)
+        system, turns = workload(name)
         before = cluster.stats()
-        cached = [ask(client, data["system"], turn).usage.prompt_tokens_details.cached_tokens
-                  for turn in turns_of(data)]
+        cached = [ask(client, system, turn).usage.prompt_tokens_details.cached_tokens
+                  for turn in turns]
         after = cluster.stats()
         report[name] = {
             "per_replica": [a["num_requests_finished"] - b["num_requests_finished"]
                             for a, b in zip(after, before, strict=True)],
             "cached": cached,
-            "prefix": system_prefix_tokens(data["system"], turns_of(data))}
+            "prefix": system_prefix_tokens(system, turns)}
     stats = cluster.stats()
     report["hit_rate"] = (sum(s["prefix_cache_hits"] for s in stats)
                           / sum(s["prefix_cache_queries"] for s in stats))
@@ -204,9 +200,9 @@ def test_a_killed_replica_fails_its_stream_and_comes_back(
 def survive_a_replica_killed(cluster: Cluster) -> None:
     """SIGKILL the replica serving a generation: that request errors, the next ones are served
     by the other replica, and the killed one restarts with its pin and is routed to again."""
-    data = workload("support_agent")
+    system, turns = workload("support_agent")
     pin_file = cluster.root / "support.txt"
-    pin_file.write_text(data["system"])
+    pin_file.write_text(system)
     pinned = cluster.cli("pin", str(pin_file), "--name", "support")
     assert pinned.returncode == 0, pinned.stderr
     assert [s["num_pins"] for s in cluster.stats()] == [1, 1]
@@ -220,7 +216,7 @@ def survive_a_replica_killed(cluster: Cluster) -> None:
         try:
             for _ in client.chat.completions.create(
                     model=MODEL, temperature=0, max_tokens=2000, stream=True,
-                    messages=[{"role": "system", "content": data["system"]},
+                    messages=[{"role": "system", "content": system},
                               {"role": "user", "content": "Tell me a long story."}]):
                 pass
         except openai.APIError as exc:
@@ -244,8 +240,8 @@ def survive_a_replica_killed(cluster: Cluster) -> None:
 
     survivor = cluster.replicas[1 - victim]
     before = httpx.get(f"{survivor}/v1/stats").json()["num_requests_finished"]
-    for turn in turns_of(data)[:3]:
-        assert ask(client, data["system"], turn).choices[0].finish_reason == "length"
+    for turn in turns[:3]:
+        assert ask(client, system, turn).choices[0].finish_reason == "length"
     assert httpx.get(f"{survivor}/v1/stats").json()["num_requests_finished"] == before + 3
 
     port = cluster.replicas[victim].rsplit(":", 1)[1]

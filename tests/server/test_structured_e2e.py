@@ -14,6 +14,8 @@ import jsonschema
 import openai
 import pytest
 
+from agentd.bench.workload import load_workload, opening_turns, packaged_path
+
 pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -34,9 +36,8 @@ def workload(name: str) -> dict[str, Any]:
     return json.loads(resources.files("agentd.workloads").joinpath(f"{name}.json").read_text())
 
 
-def prompts_of(data: dict[str, Any], num_prompts: int) -> list[str]:
-    firsts = [c[0]["content"] for c in data["conversations"] if c and c[0]["role"] == "user"]
-    prompts = (data["turns"] + firsts)[:num_prompts]
+def prompts_of(name: str, num_prompts: int) -> list[str]:
+    prompts = opening_turns(load_workload(packaged_path(name)), num_prompts)
     assert len(prompts) == num_prompts  # every workload has 50
     return prompts
 
@@ -86,7 +87,7 @@ def check_calls(message: Any, tools: list[dict[str, Any]], only: str | None = No
 def test_required_and_named_calls_always_validate(daemon: str, name: str,
                                                   num_prompts: int) -> None:
     data = workload(name)
-    tools, prompts = data["tools"], prompts_of(data, num_prompts)
+    tools, prompts = data["tools"], prompts_of(name, num_prompts)
     names = [t["function"]["name"] for t in tools]
 
     async def run() -> list[Any]:

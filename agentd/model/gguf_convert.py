@@ -3,14 +3,14 @@
 This is the conversion behind the default model's exact mode and ``--weights float32``. Why not
 transformers' GGUF loading alone: it parses the file twice with gguf-py (its tokenizer arrays
 included) and rebuilds gguf's tensor-name map once per tensor, ~15 s for the default model where
-this reads the header once and dequantizes with agentd's CPU kernels, ~2 s.
+this reads the header once and dequantizes with agentd's CPU kernels, ~3 s.
 
 transformers stays the reference. What this writes equals what ``from_pretrained(gguf_file=...)``
 builds: each tensor value for value (llama's q/k rows put back in Hugging Face's order as
 transformers does), and the config from the same GGUF-to-config key table
 (tests/model/test_loader.py holds both to transformers). A file outside what is mirrored here
 (another architecture, a llama file that transformers reads as mistral, Llama 3's rope_freqs, a
-tensor type agentd does not dequantize, a tensor of unknown role) gets ``None`` from
+tensor type agentd does not dequantize, a tensor of unknown role) gets False from
 :func:`convert`, and the caller converts it through transformers as before.
 """
 

@@ -62,6 +62,30 @@ def test_decode_attention_over_shared_prefixes(kv_dtype, groups, shared_blocks, 
     torch.testing.assert_close(actual, expected, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize(("kv_dtype", "groups", "path"), [
+    (torch.float32, [4], "torch"), (torch.float32, [3, 1], "torch"),
+    (torch.float32, [1, 1, 1], "kernel"), (torch.float32, [1], "kernel"),
+    (torch.float16, [4], "kernel"), (torch.bfloat16, [3, 1], "kernel")])
+def test_the_cpu_backend_leaves_fp32_rows_on_one_prefix_to_torch(kv_dtype, groups, path, generator,
+                                                                 monkeypatch):
+    # the measured choice (kernels/backend.py cpu_decode): torch's grouped products for rows that
+    # share leading blocks in an fp32 pool, the C++ kernel for everything else
+    from agentd.kernels import backend
+
+    calls: list[str] = []
+    monkeypatch.setattr(backend, "torch_decode_attention",
+                        lambda *args: calls.append("torch") or reference_decode_attention(*args))
+    monkeypatch.setattr(fused, "decode_attention",
+                        lambda *args: calls.append("kernel") or reference_decode_attention(*args))
+    block_size, num_kv_heads, head_dim = 16, 2, 64
+    kv_cache = torch.randn(96, 2, block_size, num_kv_heads, head_dim, generator=generator)
+    tables, lens = _shared_prefix_batch(generator, block_size, groups, 3)
+    query = torch.randn(len(lens), 8, head_dim, generator=generator)
+    backend.get_attention_backend("auto", torch.device("cpu")).decode(
+        query, kv_cache.to(kv_dtype), tables, lens, 0.125)
+    assert calls == [path]
+
+
 def test_decode_attention_rejects_a_block_outside_the_pool(isa):
     if isa == "torch":
         pytest.skip("the torch path indexes the pool and raises its own IndexError")

@@ -68,7 +68,43 @@ def cpu_decode(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.
     return fused.decode_attention(query, kv_cache, block_tables, seq_lens, scale)
 
 
-CPU_BACKEND = AttentionBackend("cpu", reference_write_kv, cpu_decode, torch_prefill_attention)
+SHORT_CHUNK_ROWS = 9  # a speculative step's rows: 8 drafts and the token before them
+
+
+def chunks_as_decode_rows(block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                          seq_lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Prefill chunks of at most ``SHORT_CHUNK_ROWS`` rows as decode rows: row ``j`` of a chunk
+    of ``n`` rows in a sequence of ``L`` tokens is a decode row over the sequence's blocks with
+    ``L - n + 1 + j`` tokens (its own key is the last it sees). None when a chunk is longer."""
+    counts = query_start_loc[1:] - query_start_loc[:-1]
+    if counts.numel() == 0 or int(counts.max()) > SHORT_CHUNK_ROWS:
+        return None
+    seq = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+    within = torch.arange(seq.numel()) - query_start_loc[:-1].long()[seq]
+    lens = seq_lens[seq] - counts[seq] + 1 + within
+    return block_tables[seq].contiguous(), lens.to(torch.int32).contiguous()
+
+
+def cpu_prefill(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                scale: float) -> torch.Tensor:
+    """Short chunks in an fp16/bf16 pool (a speculative step's draft rows behind a long prompt)
+    as decode rows on agentd's C++ kernel, which reads a row group's shared blocks once and
+    widens them in registers; the rest on torch's flash path, which converts every key it reads
+    to fp32 first. 1.7B (32 KV heads), 9 rows behind 2,000 fp16 tokens, 2 threads, a layer:
+    C++ ~6 ms vs torch ~12 ms (a decode row: ~1 ms)."""
+    if kv_cache.dtype != torch.float32 and query.dtype == torch.float32:
+        rows = step_plan("prefill-as-decode", (block_tables, query_start_loc, seq_lens),
+                         lambda: chunks_as_decode_rows(block_tables, query_start_loc, seq_lens))
+        if rows is not None:
+            from agentd.kernels.cpu import fused
+
+            return fused.decode_attention(query, kv_cache, rows[0], rows[1], scale)
+    return torch_prefill_attention(query, kv_cache, block_tables, query_start_loc, seq_lens,
+                                   scale)
+
+
+CPU_BACKEND = AttentionBackend("cpu", reference_write_kv, cpu_decode, cpu_prefill)
 
 
 def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:

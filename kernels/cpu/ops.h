@@ -38,9 +38,14 @@ struct DecodeBatch {
   float scale;
 };
 
-// Scratch floats attend_span needs for num_rows rows over n slots: scaled queries and scores.
+// Slots a span of several rows widens at a time, one KV head's rows of them (ops_impl.h).
+constexpr int kSpanTileSlots = 16;
+
+// Scratch floats attend_span needs for num_rows rows over n slots: scaled queries and scores,
+// and for several rows a tile of widened head rows.
 inline size_t span_scratch_floats(const KvLayout& kv, int num_heads, int num_rows, int n) {
-  return static_cast<size_t>(num_rows) * num_heads * (kv.head_dim + n);
+  return static_cast<size_t>(num_rows) * num_heads * (kv.head_dim + n) +
+         (num_rows > 1 ? size_t{kSpanTileSlots} * kv.head_dim : 0);
 }
 
 struct OpsKernels {

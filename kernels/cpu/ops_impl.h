@@ -135,6 +135,60 @@ inline float exp_fast(float x) {
   return p * std::bit_cast<float>((ni + 127) << 23);
 }
 
+// exp_fast's steps on a vector (the same reduction and polynomial, with FMAs): GCC does not
+// if-convert exp_fast's clamps inside a loop, so a loop of exp_fast ran one element at a time
+// (one thread, 9 rows of 32 heads over 2,000 slots: 4.4 ms of exps, 0.36 ms this way).
+#if defined(AGENTD_OPS_AVX512)
+inline Vec vexp(Vec x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, vset1(-87.0f)), vset1(88.0f));
+  const __m512i ni = _mm512_sub_epi32(
+      _mm512_cvttps_epi32(vfma(x, vset1(1.44269504088896341f), vset1(200.5f))),
+      _mm512_set1_epi32(200));
+  const Vec n = _mm512_cvtepi32_ps(ni);
+  const Vec r = _mm512_add_ps(_mm512_fnmadd_ps(n, vset1(0.693359375f), x),
+                              _mm512_mul_ps(n, vset1(2.12194440e-4f)));
+  Vec p = vset1(1.9875691500e-4f);
+  p = vfma(p, r, vset1(1.3981999507e-3f));
+  p = vfma(p, r, vset1(8.3334519073e-3f));
+  p = vfma(p, r, vset1(4.1665795894e-2f));
+  p = vfma(p, r, vset1(1.6666665459e-1f));
+  p = vfma(p, r, vset1(5.0000001201e-1f));
+  p = _mm512_add_ps(vfma(_mm512_mul_ps(p, r), r, r), vset1(1.0f));
+  const __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(ni, _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(scale));
+}
+inline Vec vsub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
+#elif defined(AGENTD_OPS_AVX2)
+inline Vec vexp(Vec x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, vset1(-87.0f)), vset1(88.0f));
+  const __m256i ni = _mm256_sub_epi32(
+      _mm256_cvttps_epi32(vfma(x, vset1(1.44269504088896341f), vset1(200.5f))),
+      _mm256_set1_epi32(200));
+  const Vec n = _mm256_cvtepi32_ps(ni);
+  const Vec r = _mm256_add_ps(_mm256_fnmadd_ps(n, vset1(0.693359375f), x),
+                              _mm256_mul_ps(n, vset1(2.12194440e-4f)));
+  Vec p = vset1(1.9875691500e-4f);
+  p = vfma(p, r, vset1(1.3981999507e-3f));
+  p = vfma(p, r, vset1(8.3334519073e-3f));
+  p = vfma(p, r, vset1(4.1665795894e-2f));
+  p = vfma(p, r, vset1(1.6666665459e-1f));
+  p = vfma(p, r, vset1(5.0000001201e-1f));
+  p = _mm256_add_ps(vfma(_mm256_mul_ps(p, r), r, r), vset1(1.0f));
+  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(ni, _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+inline Vec vsub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
+#endif
+
+// s[j] = exp(s[j] - top) for j < n.
+inline void exp_shifted(float* s, int n, float top) {
+  int j = 0;
+#if defined(AGENTD_OPS_AVX512) || defined(AGENTD_OPS_AVX2)
+  for (; j + kWidth <= n; j += kWidth) vstore(s + j, vexp(vsub(vload(s + j), vset1(top))));
+#endif
+  for (; j < n; ++j) s[j] = exp_fast(s[j] - top);
+}
+
 // fp32 -> fp16, round to nearest even (NaN stays NaN, overflow is infinity), as torch converts.
 inline uint16_t fp32_to_fp16(float f) {
   uint32_t x = std::bit_cast<uint32_t>(f);
@@ -210,6 +264,38 @@ inline void axpy(float* y, float a, const float* x, int n) {
   for (int i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
+// acc[0..D) += sum over t < T of p[t] * rows[t * D ..]: the sums held in registers over the T
+// rows (each element still adds its terms in t order, as T calls of axpy would).
+inline void axpy_tile(float* acc, const float* p, const float* rows, int T, int D) {
+  int d = 0;
+#if defined(AGENTD_OPS_AVX512) || defined(AGENTD_OPS_AVX2)
+  for (; d + 4 * kWidth <= D; d += 4 * kWidth) {
+    Vec a0 = vload(acc + d), a1 = vload(acc + d + kWidth);
+    Vec a2 = vload(acc + d + 2 * kWidth), a3 = vload(acc + d + 3 * kWidth);
+    for (int t = 0; t < T; ++t) {
+      const Vec pt = vset1(p[t]);
+      const float* r = rows + t * D + d;
+      a0 = vfma(pt, vload(r), a0);
+      a1 = vfma(pt, vload(r + kWidth), a1);
+      a2 = vfma(pt, vload(r + 2 * kWidth), a2);
+      a3 = vfma(pt, vload(r + 3 * kWidth), a3);
+    }
+    vstore(acc + d, a0);
+    vstore(acc + d + kWidth, a1);
+    vstore(acc + d + 2 * kWidth, a2);
+    vstore(acc + d + 3 * kWidth, a3);
+  }
+  for (; d + kWidth <= D; d += kWidth) {
+    Vec a = vload(acc + d);
+    for (int t = 0; t < T; ++t) a = vfma(vset1(p[t]), vload(rows + t * D + d), a);
+    vstore(acc + d, a);
+  }
+#endif
+  for (; d < D; ++d) {
+    for (int t = 0; t < T; ++t) acc[d] += p[t] * rows[t * D + d];
+  }
+}
+
 // The queries of rows[0..num_rows) (every head) against slots [p0, p1) of `table`: for each
 // query (r, h) its top score, the sum of exp(score - top) and the sum of exp(score - top) * v,
 // into partial + (r * H + h) * (D + 2) as [top, sum, acc...]. Each slot's keys (then values)
@@ -253,7 +339,7 @@ void attend_span_as(const KvLayout& kv, const DecodeBatch& batch, const int32_t*
     float* s = scores + static_cast<int64_t>(i) * n;
     float* out = partial + static_cast<int64_t>(i) * (D + 2);
     out[0] = lane_max(s, n);
-    for (int j = 0; j < n; ++j) s[j] = exp_fast(s[j] - out[0]);
+    exp_shifted(s, n, out[0]);
     out[1] = lane_sum(s, n);
     std::fill(out + 2, out + 2 + D, 0.0f);
   }
@@ -268,18 +354,115 @@ void attend_span_as(const KvLayout& kv, const DecodeBatch& batch, const int32_t*
   }
 }
 
+// attend_span_as for several rows (a speculative step's draft rows behind one prefix, agents
+// on one cached prompt): the same results, the work ordered for them. Slots go in tiles of
+// kTileSlots; each KV head's keys (then values) of a tile are widened once into `tile` and used
+// by every query of that head while they are in L1, each query's sums held in registers over
+// the tile. Slot by slot over all queries (attend_span_as), every slot walked all Q queries
+// and their sums through L2: one thread, 9 rows of 32 heads over 2,000 fp16 slots, 15.4 ms
+// that way, 7.4 ms this one (a single row: 0.9 ms).
+constexpr int kTileSlots = kSpanTileSlots;
+
+template <KvDtype kT>
+void attend_rows_as(const KvLayout& kv, const DecodeBatch& batch, const int32_t* rows,
+                    int num_rows, const int32_t* table, int p0, int p1, float* partial,
+                    float* scratch, float* tile) {
+  const int D = kv.head_dim, B = kv.block_size, H = batch.num_heads, Hkv = kv.num_kv_heads;
+  const int G = H / Hkv, Q = num_rows * H, n = p1 - p0;
+  constexpr int64_t kElem = kT == kKvF32 ? 4 : 2;
+  const int64_t row_bytes = int64_t{Hkv} * D * kElem;
+  float* q = scratch;         // [Q, D], scaled; query i = r * H + h
+  float* scores = q + Q * D;  // [Q, n]
+  for (int r = 0; r < num_rows; ++r) {
+    const float* src = batch.query + rows[r] * batch.query_stride;
+    for (int i = 0; i < H * D; ++i) q[r * H * D + i] = src[i] * batch.scale;
+  }
+  auto slot_row = [&](int pos, int which) -> const char* {
+    const int64_t index = table[pos / B] * kv.block_stride + which * kv.kv_stride +
+                          (pos % B) * kv.token_stride;
+    return static_cast<const char*>(kv.data) + index * kElem;
+  };
+  auto prefetch_tile = [&](int t0, int which) {
+    for (int pos = t0; pos < std::min(p1, t0 + kTileSlots); ++pos) {
+      const char* p = slot_row(pos, which);
+      for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+    }
+  };
+  // One KV head's rows of slots [t0, t1) into tile [t1 - t0, D] fp32.
+  auto widen_tile = [&](int t0, int t1, int which, int kh) {
+    for (int pos = t0; pos < t1; ++pos) {
+      const char* src = slot_row(pos, which) + int64_t{kh} * D * kElem;
+      float* dst = tile + (pos - t0) * D;
+      int d = 0;
+#if defined(AGENTD_OPS_AVX512) || defined(AGENTD_OPS_AVX2)
+      for (; d + kWidth <= D; d += kWidth) vstore(dst + d, widen_vec<kT>(src, d));
+#endif
+      for (; d < D; ++d) dst[d] = widen1<kT>(src, d);
+    }
+  };
+  for (int t0 = p0; t0 < p1; t0 += kTileSlots) {
+    const int t1 = std::min(p1, t0 + kTileSlots);
+    prefetch_tile(t1, 0);
+    for (int kh = 0; kh < Hkv; ++kh) {
+      widen_tile(t0, t1, 0, kh);
+      for (int r = 0; r < num_rows; ++r) {
+        for (int g = 0; g < G; ++g) {
+          const int i = r * H + kh * G + g;
+          float* s = scores + static_cast<int64_t>(i) * n - p0;
+          for (int pos = t0; pos < t1; ++pos) s[pos] = dot(q + i * D, tile + (pos - t0) * D, D);
+        }
+      }
+    }
+  }
+  for (int i = 0; i < Q; ++i) {  // probabilities, unnormalized
+    float* s = scores + static_cast<int64_t>(i) * n;
+    float* out = partial + static_cast<int64_t>(i) * (D + 2);
+    out[0] = lane_max(s, n);
+    exp_shifted(s, n, out[0]);
+    out[1] = lane_sum(s, n);
+    std::fill(out + 2, out + 2 + D, 0.0f);
+  }
+  for (int t0 = p0; t0 < p1; t0 += kTileSlots) {
+    const int t1 = std::min(p1, t0 + kTileSlots);
+    prefetch_tile(t1, 1);
+    for (int kh = 0; kh < Hkv; ++kh) {
+      widen_tile(t0, t1, 1, kh);
+      for (int r = 0; r < num_rows; ++r) {
+        for (int g = 0; g < G; ++g) {
+          const int i = r * H + kh * G + g;
+          const float* p = scores + static_cast<int64_t>(i) * n - p0;
+          axpy_tile(partial + static_cast<int64_t>(i) * (D + 2) + 2, p + t0, tile, t1 - t0, D);
+        }
+      }
+    }
+  }
+}
+
+template <KvDtype kT>
+void attend_span_for(const KvLayout& kv, const DecodeBatch& batch, const int32_t* rows,
+                     int num_rows, const int32_t* table, int p0, int p1, float* partial,
+                     float* scratch) {
+  if (num_rows > 1) {
+    attend_rows_as<kT>(kv, batch, rows, num_rows, table, p0, p1, partial, scratch,
+                       scratch + span_scratch_floats(kv, batch.num_heads, num_rows, p1 - p0) -
+                           static_cast<size_t>(kTileSlots) * kv.head_dim);
+  } else {
+    attend_span_as<kT>(kv, batch, rows, num_rows, table, p0, p1, partial, scratch);
+  }
+}
+
 void attend_span(const KvLayout& kv, const DecodeBatch& batch, const int32_t* rows,
                  int num_rows, const int32_t* table, int p0, int p1, float* partial,
                  float* scratch) {
   switch (kv.dtype) {
     case kKvF16:
-      attend_span_as<kKvF16>(kv, batch, rows, num_rows, table, p0, p1, partial, scratch);
+      attend_span_for<kKvF16>(kv, batch, rows, num_rows, table, p0, p1, partial, scratch);
       break;
     case kKvBF16:
-      attend_span_as<kKvBF16>(kv, batch, rows, num_rows, table, p0, p1, partial, scratch);
+      attend_span_for<kKvBF16>(kv, batch, rows, num_rows, table, p0, p1, partial, scratch);
       break;
     default:
-      attend_span_as<kKvF32>(kv, batch, rows, num_rows, table, p0, p1, partial, scratch);
+      attend_span_for<kKvF32>(kv, batch, rows, num_rows, table, p0, p1, partial, scratch);
   }
 }
 

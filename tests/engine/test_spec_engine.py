@@ -142,6 +142,21 @@ def test_greedy_with_drafts_equals_transformers_alone_batched_and_from_cache(cas
     assert stats.num_steps < 2 * len(prompts) * MAX_TOKENS
 
 
+def test_greedy_with_drafts_over_an_fp16_pool_equals_greedy_without(case) -> None:
+    # a GGUF's pool: a step's draft rows attend as decode rows on the C++ kernel
+    # (kernels/backend.py cpu_prefill), the tokens as one row a step gives them
+    path, prompts, _ = case
+    plain = LLM(str(path), device="cpu", dtype="float32", kv_cache_dtype="float16",
+                kv_cache_memory_bytes=POOL_BYTES, speculative=OFF)
+    expected = [o.token_ids for o in plain.generate(prompts, GREEDY)]
+    llm = planted_llm(path, {tuple(p): e for p, e in zip(prompts, expected, strict=True)},
+                      kv_cache_dtype="float16")
+    batched, steps = run_checked(llm, prompts, GREEDY)
+    assert batched == expected
+    assert any(d for rows in steps for _, d in rows)
+    assert 0 < llm.engine.stats().spec_num_accepted_tokens
+
+
 def test_greedy_with_drafts_beside_prefill_chunks_and_under_preemption(case) -> None:
     path, prompts, expected = case
     continuations = {tuple(p): e for p, e in zip(prompts, expected, strict=True)}

@@ -51,8 +51,10 @@ def _shared_prefix_batch(gen: torch.Generator, block_size: int, groups: list[int
 
 @pytest.mark.parametrize("kv_dtype", POOL_DTYPES)
 @pytest.mark.parametrize("groups,shared_blocks", [([8], 6), ([3, 1, 4], 2), ([2], 0), ([5], 1)])
-def test_decode_attention_over_shared_prefixes(kv_dtype, groups, shared_blocks, isa, generator):
-    block_size, num_kv_heads, head_dim = 16, 2, 64
+@pytest.mark.parametrize("head_dim", [64, 80])  # 80: the vector loops' tails
+def test_decode_attention_over_shared_prefixes(kv_dtype, groups, shared_blocks, head_dim, isa,
+                                               generator):
+    block_size, num_kv_heads = 16, 2
     planes = torch.randn(2, 96, block_size, num_kv_heads, head_dim, generator=generator)
     kv_cache = planes.to(kv_dtype).transpose(0, 1)  # the runner's layout: keys, then values
     tables, lens = _shared_prefix_batch(generator, block_size, groups, shared_blocks)
@@ -84,6 +86,48 @@ def test_the_cpu_backend_leaves_fp32_rows_on_one_prefix_to_torch(kv_dtype, group
     backend.get_attention_backend("auto", torch.device("cpu")).decode(
         query, kv_cache.to(kv_dtype), tables, lens, 0.125)
     assert calls == [path]
+
+
+def _chunks_behind_prefixes(gen: torch.Generator, rows: list[int], cached: list[int],
+                            block_size: int, num_blocks: int = 96):
+    """Prefill chunks of ``rows[i]`` query rows behind ``cached[i]`` tokens, blocks shuffled."""
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    lens = [c + r for c, r in zip(cached, rows, strict=True)]
+    width = max(-(-n // block_size) for n in lens) + 1
+    tables = torch.tensor([[free.pop() for _ in range(width)] for _ in lens], dtype=torch.int32)
+    starts = torch.tensor([0, *torch.tensor(rows).cumsum(0).tolist()], dtype=torch.int32)
+    return tables, starts, torch.tensor(lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("kv_dtype", POOL_DTYPES)
+@pytest.mark.parametrize(("rows", "cached", "path"), [
+    ([9], [200], "kernel"),  # a speculative step: 8 drafts behind a prompt
+    ([3, 1, 9], [40, 77, 0], "kernel"),  # several, one of them without a cached token
+    ([9, 10], [64, 3], "torch"),  # a chunk over SHORT_CHUNK_ROWS
+])
+def test_the_cpu_backend_prefills_short_chunks_as_decode_rows(kv_dtype, rows, cached, path, isa,
+                                                              generator, monkeypatch):
+    # kernels/backend.py cpu_prefill: short chunks in an fp16/bf16 pool run on the decode kernel,
+    # each row over the keys up to its own; fp32 pools and long chunks on torch's prefill path
+    from agentd.kernels import backend
+    from agentd.kernels.prefill_attention import reference_prefill_attention
+
+    calls: list[str] = []
+    kernel, prefill = fused.decode_attention, backend.torch_prefill_attention
+    monkeypatch.setattr(fused, "decode_attention",
+                        lambda *args: calls.append("kernel") or kernel(*args))
+    monkeypatch.setattr(backend, "torch_prefill_attention",
+                        lambda *args: calls.append("torch") or prefill(*args))
+    block_size, num_kv_heads, head_dim = 16, 2, 64
+    kv_cache = torch.randn(96, 2, block_size, num_kv_heads, head_dim, generator=generator)
+    tables, starts, lens = _chunks_behind_prefixes(generator, rows, cached, block_size)
+    query = torch.randn(sum(rows), 8, head_dim, generator=generator)
+    pool = kv_cache.to(kv_dtype)
+    actual = backend.get_attention_backend("auto", torch.device("cpu")).prefill(
+        query, pool, tables, starts, lens, 0.125)
+    expected = reference_prefill_attention(query, pool.float(), tables, starts, lens, 0.125)
+    torch.testing.assert_close(actual, expected, atol=2e-5, rtol=2e-5)
+    assert calls == ["torch" if kv_dtype == torch.float32 else path]
 
 
 def test_decode_attention_rejects_a_block_outside_the_pool(isa):

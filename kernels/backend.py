@@ -3,7 +3,8 @@
 ``torch`` holds the references, ``cpu`` runs decode attention in agentd's C++ extension
 (``agentd.kernels.cpu.fused``: the paged pool read in place, a shared prefix once per group of
 rows; torch's where the extension is not built, the activations are not fp32, or rows on one
-prefix in an fp32 pool, see :func:`cpu_decode`) and prefill on torch, ``triton`` is CUDA's.
+prefix in an fp32 pool, see :func:`cpu_decode`) and prefill on torch but for short chunks in an
+fp16/bf16 pool (a speculative step's draft rows, :func:`cpu_prefill`), ``triton`` is CUDA's.
 """
 
 from __future__ import annotations

@@ -444,8 +444,8 @@ void attend_span_as(const KvLayout& kv, const DecodeBatch& batch, const int32_t*
 // kTileSlots; each KV head's keys (then values) of a tile are widened once into `tile` and used
 // by every query of that head while they are in L1, each query's sums held in registers over
 // the tile. Slot by slot over all queries (attend_span_as), every slot walked all Q queries
-// and their sums through L2: one thread, 9 rows of 32 heads over 2,000 fp16 slots, 15.4 ms
-// that way, 7.4 ms this one (a single row: 0.9 ms).
+// and their sums through L2: one thread, 9 rows of 32 heads over 2,000 fp16 slots, ~15 ms
+// that way, 7.4 ms this one before dot4_kv (a single row: 0.9 ms).
 constexpr int kTileSlots = kSpanTileSlots;
 
 template <KvDtype kT>

@@ -201,6 +201,18 @@ bool has_type(int64_t type_id) {
   return agentd_cpu::type_kernels(static_cast<int>(type_id), agentd_cpu::kIsaScalar, &k);
 }
 
+// How many threads one at::parallel_for over n items ran on: the library's calls are spread
+// over torch's threads only where it was compiled with OpenMP (_build.py).
+int64_t parallel_for_threads(int64_t n) {
+  std::vector<std::atomic<bool>> seen(static_cast<size_t>(at::get_num_threads()));
+  at::parallel_for(0, n, 1, [&](int64_t, int64_t) {
+    seen[static_cast<size_t>(at::get_thread_num())].store(true);
+  });
+  int64_t threads = 0;
+  for (const auto& s : seen) threads += s.load();
+  return threads;
+}
+
 }  // namespace
 
 void register_ops(py::module_& m);  // ops_bindings.cpp
@@ -217,5 +229,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out") = py::none());
   m.def("dequantize", &dequantize, "out[rows, K] = dequant(w)");
   m.def("quantize_act", &quantize_act, "x[n, K] -> activation blocks [n, bytes]");
+  m.def("parallel_for_threads", &parallel_for_threads,
+        "threads one at::parallel_for over n items ran on");
   register_ops(m);
 }

@@ -7,6 +7,7 @@ build: the forced-ISA switch, the torch path when no compiler exists, errors tha
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,23 @@ from agentd.kernels.cpu.formats import ACT_Q8_32, ACT_Q8_256, GGML_TYPES
 NATIVE_ISAS = ["avx512_vnni", "avx2", "scalar"]
 
 
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="one CPU")
+def test_the_kernels_run_on_torchs_threads() -> None:
+    # at::parallel_for is inline: without OpenMP in the build it ran every product and
+    # attention call on the calling thread, whatever torch.set_num_threads said
+    module = cpu._native().module
+    if module is None:
+        pytest.skip(cpu.native_unavailable_reason() or "no native kernels")
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert module.parallel_for_threads(64) == 2
+        torch.set_num_threads(1)
+        assert module.parallel_for_threads(64) == 1
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_self_check_passes_on_every_native_isa(isa: str) -> None:

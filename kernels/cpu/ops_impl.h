@@ -59,6 +59,29 @@ inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline Vec vset1(float a) { return _mm512_set1_ps(a); }
 inline Vec vzero() { return _mm512_setzero_ps(); }
 inline float vsum(Vec v) { return _mm512_reduce_add_ps(v); }
+using VecI = __m512i;
+inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline Vec vsub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
+inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec vfnma(Vec a, Vec b, Vec c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b
+inline Vec vclamp(Vec x, float lo, float hi) {
+  return _mm512_min_ps(_mm512_max_ps(x, vset1(lo)), vset1(hi));
+}
+inline VecI vtrunc(Vec x, int minus) {  // int32(x) - minus
+  return _mm512_sub_epi32(_mm512_cvttps_epi32(x), _mm512_set1_epi32(minus));
+}
+inline Vec vfloat(VecI n) { return _mm512_cvtepi32_ps(n); }
+inline Vec vpow2(VecI n) {  // 2^n for normal exponents
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n, _mm512_set1_epi32(127)), 23));
+}
+inline Vec vunpacklo(Vec a, Vec b) { return _mm512_unpacklo_ps(a, b); }
+inline Vec vunpackhi(Vec a, Vec b) { return _mm512_unpackhi_ps(a, b); }
+template <int kImm>
+inline Vec vshuffle(Vec a, Vec b) { return _mm512_shuffle_ps(a, b, kImm); }
+inline __m128 vsum_lanes(Vec v) {  // the 128-bit lanes summed: (0 + 2) + (1 + 3)
+  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
 #elif defined(AGENTD_OPS_AVX2)
 constexpr int kWidth = 8;
 using Vec = __m256;
@@ -84,6 +107,28 @@ inline float vsum(Vec v) {
   h = _mm_add_ss(h, _mm_movehdup_ps(h));
   return _mm_cvtss_f32(h);
 }
+using VecI = __m256i;
+inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline Vec vsub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
+inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec vfnma(Vec a, Vec b, Vec c) { return _mm256_fnmadd_ps(a, b, c); }  // c - a * b
+inline Vec vclamp(Vec x, float lo, float hi) {
+  return _mm256_min_ps(_mm256_max_ps(x, vset1(lo)), vset1(hi));
+}
+inline VecI vtrunc(Vec x, int minus) {  // int32(x) - minus
+  return _mm256_sub_epi32(_mm256_cvttps_epi32(x), _mm256_set1_epi32(minus));
+}
+inline Vec vfloat(VecI n) { return _mm256_cvtepi32_ps(n); }
+inline Vec vpow2(VecI n) {  // 2^n for normal exponents
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(n, _mm256_set1_epi32(127)), 23));
+}
+inline Vec vunpacklo(Vec a, Vec b) { return _mm256_unpacklo_ps(a, b); }
+inline Vec vunpackhi(Vec a, Vec b) { return _mm256_unpackhi_ps(a, b); }
+template <int kImm>
+inline Vec vshuffle(Vec a, Vec b) { return _mm256_shuffle_ps(a, b, kImm); }
+inline __m128 vsum_lanes(Vec v) {  // the two 128-bit lanes summed
+  return _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+}
 #else
 constexpr int kWidth = 0;  // the scalar build: element loops only
 #endif
@@ -107,39 +152,21 @@ inline float dot_kv(const float* q, const void* k, int n) {
 // row's work when each query is one dot product of 64. Each result depends only on its own
 // query and row, never on which others share the call, and dot1_kv sums a lone one in the same
 // order.
-#if defined(AGENTD_OPS_AVX512)
+#if defined(AGENTD_OPS_AVX512) || defined(AGENTD_OPS_AVX2)
 inline __m128 reduce4(Vec a0, Vec a1, Vec a2, Vec a3) {
-  const Vec s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
-  const Vec s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
-  const Vec s = _mm512_add_ps(_mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(1, 0, 1, 0)),
-                              _mm512_shuffle_ps(s01, s23, _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(s), _mm512_extractf32x8_ps(s, 1));
-  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
-#elif defined(AGENTD_OPS_AVX2)
-inline __m128 reduce4(Vec a0, Vec a1, Vec a2, Vec a3) {
-  const Vec s01 = _mm256_add_ps(_mm256_unpacklo_ps(a0, a1), _mm256_unpackhi_ps(a0, a1));
-  const Vec s23 = _mm256_add_ps(_mm256_unpacklo_ps(a2, a3), _mm256_unpackhi_ps(a2, a3));
-  const Vec s = _mm256_add_ps(_mm256_shuffle_ps(s01, s23, _MM_SHUFFLE(1, 0, 1, 0)),
-                              _mm256_shuffle_ps(s01, s23, _MM_SHUFFLE(3, 2, 3, 2)));
-  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  const Vec s01 = vadd(vunpacklo(a0, a1), vunpackhi(a0, a1));
+  const Vec s23 = vadd(vunpacklo(a2, a3), vunpackhi(a2, a3));
+  return vsum_lanes(vadd(vshuffle<_MM_SHUFFLE(1, 0, 1, 0)>(s01, s23),
+                         vshuffle<_MM_SHUFFLE(3, 2, 3, 2)>(s01, s23)));
 }
 #endif
 
 // One vector's lanes summed in reduce4's order (pairs two apart within each 128-bit lane, then
 // the lanes' sums two apart): dot1_kv's score is the bits dot4_kv gives the same query.
-#if defined(AGENTD_OPS_AVX512)
+#if defined(AGENTD_OPS_AVX512) || defined(AGENTD_OPS_AVX2)
 inline float reduce1(Vec a) {
-  const Vec t = _mm512_add_ps(a, _mm512_shuffle_ps(a, a, _MM_SHUFFLE(1, 0, 3, 2)));
-  const Vec u = _mm512_add_ps(t, _mm512_shuffle_ps(t, t, _MM_SHUFFLE(2, 3, 0, 1)));
-  const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(u), _mm512_extractf32x8_ps(u, 1));
-  return _mm_cvtss_f32(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)));
-}
-#elif defined(AGENTD_OPS_AVX2)
-inline float reduce1(Vec a) {
-  const Vec t = _mm256_add_ps(a, _mm256_shuffle_ps(a, a, _MM_SHUFFLE(1, 0, 3, 2)));
-  const Vec u = _mm256_add_ps(t, _mm256_shuffle_ps(t, t, _MM_SHUFFLE(2, 3, 0, 1)));
-  return _mm_cvtss_f32(_mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1)));
+  const Vec t = vadd(a, vshuffle<_MM_SHUFFLE(1, 0, 3, 2)>(a, a));
+  return _mm_cvtss_f32(vsum_lanes(vadd(t, vshuffle<_MM_SHUFFLE(2, 3, 0, 1)>(t, t))));
 }
 #endif
 
@@ -211,46 +238,21 @@ inline float exp_fast(float x) {
 // exp_fast's steps on a vector (the same reduction and polynomial, with FMAs): GCC does not
 // if-convert exp_fast's clamps inside a loop, so a loop of exp_fast ran one element at a time
 // (one thread, 9 rows of 32 heads over 2,000 slots: 4.4 ms of exps, 0.36 ms this way).
-#if defined(AGENTD_OPS_AVX512)
+#if defined(AGENTD_OPS_AVX512) || defined(AGENTD_OPS_AVX2)
 inline Vec vexp(Vec x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, vset1(-87.0f)), vset1(88.0f));
-  const __m512i ni = _mm512_sub_epi32(
-      _mm512_cvttps_epi32(vfma(x, vset1(1.44269504088896341f), vset1(200.5f))),
-      _mm512_set1_epi32(200));
-  const Vec n = _mm512_cvtepi32_ps(ni);
-  const Vec r = _mm512_add_ps(_mm512_fnmadd_ps(n, vset1(0.693359375f), x),
-                              _mm512_mul_ps(n, vset1(2.12194440e-4f)));
+  x = vclamp(x, -87.0f, 88.0f);
+  const VecI ni = vtrunc(vfma(x, vset1(1.44269504088896341f), vset1(200.5f)), 200);
+  const Vec n = vfloat(ni);
+  const Vec r = vadd(vfnma(n, vset1(0.693359375f), x), vmul(n, vset1(2.12194440e-4f)));
   Vec p = vset1(1.9875691500e-4f);
   p = vfma(p, r, vset1(1.3981999507e-3f));
   p = vfma(p, r, vset1(8.3334519073e-3f));
   p = vfma(p, r, vset1(4.1665795894e-2f));
   p = vfma(p, r, vset1(1.6666665459e-1f));
   p = vfma(p, r, vset1(5.0000001201e-1f));
-  p = _mm512_add_ps(vfma(_mm512_mul_ps(p, r), r, r), vset1(1.0f));
-  const __m512i scale = _mm512_slli_epi32(_mm512_add_epi32(ni, _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(p, _mm512_castsi512_ps(scale));
+  p = vadd(vfma(vmul(p, r), r, r), vset1(1.0f));
+  return vmul(p, vpow2(ni));
 }
-inline Vec vsub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
-#elif defined(AGENTD_OPS_AVX2)
-inline Vec vexp(Vec x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, vset1(-87.0f)), vset1(88.0f));
-  const __m256i ni = _mm256_sub_epi32(
-      _mm256_cvttps_epi32(vfma(x, vset1(1.44269504088896341f), vset1(200.5f))),
-      _mm256_set1_epi32(200));
-  const Vec n = _mm256_cvtepi32_ps(ni);
-  const Vec r = _mm256_add_ps(_mm256_fnmadd_ps(n, vset1(0.693359375f), x),
-                              _mm256_mul_ps(n, vset1(2.12194440e-4f)));
-  Vec p = vset1(1.9875691500e-4f);
-  p = vfma(p, r, vset1(1.3981999507e-3f));
-  p = vfma(p, r, vset1(8.3334519073e-3f));
-  p = vfma(p, r, vset1(4.1665795894e-2f));
-  p = vfma(p, r, vset1(1.6666665459e-1f));
-  p = vfma(p, r, vset1(5.0000001201e-1f));
-  p = _mm256_add_ps(vfma(_mm256_mul_ps(p, r), r, r), vset1(1.0f));
-  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(ni, _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
-}
-inline Vec vsub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
 #endif
 
 // s[j] = exp(s[j] - top) for j < n.

@@ -28,7 +28,7 @@ from agentd.model.loader import (
     model_fingerprint,
     resolve_model,
 )
-from agentd.model.onednn import pack_linears, release_free_memory
+from agentd.model.onednn import pack_linears, release_free_memory, reuse_large_buffers
 from agentd.model.quant import IntGroups
 
 logger = logging.getLogger("agentd")
@@ -200,6 +200,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
     if config.num_threads is not None:
         torch.set_num_threads(config.num_threads)
     device = pick_device(config.device)
+    if device.type == "cpu":
+        reuse_large_buffers()
     if serves_gguf(config, device):
         return load_gguf(config)
     files = resolve_model(config.model)

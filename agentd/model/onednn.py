@@ -148,18 +148,43 @@ def pack_linears(model: nn.Module) -> int:
 
 
 _libc: Any = None
+# mallopt's parameters (glibc's malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+
+
+def _glibc() -> Any:
+    global _libc
+    if _libc is None:
+        import ctypes
+
+        _libc = ctypes.CDLL("libc.so.6")
+    return _libc
+
+
+def reuse_large_buffers() -> bool:
+    """Let glibc hand a freed large buffer to the next allocation instead of back to the OS.
+
+    By default glibc maps every allocation of more than 32 MiB (less, before its threshold
+    adapts) with its own mmap and unmaps it on free, so each of a prefill step's activations
+    (2,000 tokens x 8,192 features in fp32: 65 MB) and each dequantized weight tile arrives as
+    fresh pages, zeroed by the kernel one page fault at a time. A 2,000-token prefill of a 1.7B
+    model took 1.36 million minor faults (5.2 GB of zeroed pages) and 25.4-25.7 s on a 2-core
+    AMD EPYC; from the heap, 50-60 thousand faults and 21.9-22.2 s, peak RSS +52 MB. The heap
+    is still handed back after each long step (:func:`release_free_memory`), so RSS between
+    steps is unchanged. Process-wide and irreversible; returns False off glibc."""
+    try:
+        libc = _glibc()
+        return bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(
+            libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+    except (OSError, AttributeError):
+        return False
 
 
 def release_free_memory() -> None:
     """Hand freed heap memory back to the OS: glibc keeps it otherwise, ~210 MB of RSS after
     loading the default model (dense weights, reads), ~50-90 MB after a long prefill step
     (activations). Takes ~1-5 ms. A no-op off glibc."""
-    global _libc
     try:
-        if _libc is None:
-            import ctypes
-
-            _libc = ctypes.CDLL("libc.so.6")
-        _libc.malloc_trim(0)
+        _glibc().malloc_trim(0)
     except (OSError, AttributeError):
         pass

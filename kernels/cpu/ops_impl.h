@@ -371,6 +371,44 @@ inline void axpy_tile(float* acc, const float* p, const float* rows, int T, int 
   }
 }
 
+// What attend_span_as and attend_rows_as share. The queries of rows[0..num_rows), every head,
+// times the softmax scale, into q [num_rows * H, D] (query i = r * H + h).
+inline void scaled_queries(const DecodeBatch& batch, const int32_t* rows, int num_rows,
+                           int D, float* q) {
+  const int H = batch.num_heads;
+  for (int r = 0; r < num_rows; ++r) {
+    const float* src = batch.query + rows[r] * batch.query_stride;
+    for (int i = 0; i < H * D; ++i) q[r * H * D + i] = src[i] * batch.scale;
+  }
+}
+
+// The start of slot `pos`'s keys (which = 0) or values (1), all KV heads in one row, in a
+// sequence whose block table is `table`.
+template <KvDtype kT>
+struct SlotRows {
+  static constexpr int64_t kElem = kT == kKvF32 ? 4 : 2;
+  const KvLayout& kv;
+  const int32_t* table;
+  const char* operator()(int pos, int which) const {
+    const int64_t index = table[pos / kv.block_size] * kv.block_stride + which * kv.kv_stride +
+                          (pos % kv.block_size) * kv.token_stride;
+    return static_cast<const char*>(kv.data) + index * kElem;
+  }
+};
+
+// Scores [Q, n] into unnormalized probabilities; each query's partial [top, sum, acc...]
+// gets its top score and sum, its acc zeroed for the values.
+inline void span_probabilities(float* scores, int Q, int n, int D, float* partial) {
+  for (int i = 0; i < Q; ++i) {
+    float* s = scores + static_cast<int64_t>(i) * n;
+    float* out = partial + static_cast<int64_t>(i) * (D + 2);
+    out[0] = lane_max(s, n);
+    exp_shifted(s, n, out[0]);
+    out[1] = lane_sum(s, n);
+    std::fill(out + 2, out + 2 + D, 0.0f);
+  }
+}
+
 // The queries of rows[0..num_rows) (every head) against slots [p0, p1) of `table`: for each
 // query (r, h) its top score, the sum of exp(score - top) and the sum of exp(score - top) * v,
 // into partial + (r * H + h) * (D + 2) as [top, sum, acc...]. Each slot's keys (then values)
@@ -381,21 +419,14 @@ template <KvDtype kT>
 void attend_span_as(const KvLayout& kv, const DecodeBatch& batch, const int32_t* rows,
                     int num_rows, const int32_t* table, int p0, int p1, float* partial,
                     float* scratch) {
-  const int D = kv.head_dim, B = kv.block_size, H = batch.num_heads;
+  const int D = kv.head_dim, H = batch.num_heads;
   const int G = H / kv.num_kv_heads, Q = num_rows * H, n = p1 - p0;
-  constexpr int64_t kElem = kT == kKvF32 ? 4 : 2;
+  constexpr int64_t kElem = SlotRows<kT>::kElem;
   const int64_t row_bytes = int64_t{kv.num_kv_heads} * D * kElem;
   float* q = scratch;         // [Q, D], scaled
   float* scores = q + Q * D;  // [Q, n]
-  for (int r = 0; r < num_rows; ++r) {
-    const float* src = batch.query + rows[r] * batch.query_stride;
-    for (int i = 0; i < H * D; ++i) q[r * H * D + i] = src[i] * batch.scale;
-  }
-  auto slot_row = [&](int pos, int which) -> const char* {
-    const int64_t index = table[pos / B] * kv.block_stride + which * kv.kv_stride +
-                          (pos % B) * kv.token_stride;
-    return static_cast<const char*>(kv.data) + index * kElem;
-  };
+  scaled_queries(batch, rows, num_rows, D, q);
+  const SlotRows<kT> slot_row{kv, table};
   constexpr int kAhead = 2;  // slots prefetched ahead
   auto prefetch = [&](int pos, int which) {
     if (pos >= p1) return;
@@ -422,14 +453,7 @@ void attend_span_as(const KvLayout& kv, const DecodeBatch& batch, const int32_t*
           dot1_kv<kT>(q + i0 * D, k + (i0 % H) / G * D * kElem, D);
     }
   }
-  for (int i = 0; i < Q; ++i) {  // probabilities, unnormalized
-    float* s = scores + static_cast<int64_t>(i) * n;
-    float* out = partial + static_cast<int64_t>(i) * (D + 2);
-    out[0] = lane_max(s, n);
-    exp_shifted(s, n, out[0]);
-    out[1] = lane_sum(s, n);
-    std::fill(out + 2, out + 2 + D, 0.0f);
-  }
+  span_probabilities(scores, Q, n, D, partial);
   for (int pos = p0; pos < p1; ++pos) {
     prefetch(pos + kAhead, 1);
     const char* v = slot_row(pos, 1);
@@ -454,21 +478,14 @@ template <KvDtype kT>
 void attend_rows_as(const KvLayout& kv, const DecodeBatch& batch, const int32_t* rows,
                     int num_rows, const int32_t* table, int p0, int p1, float* partial,
                     float* scratch, float* tile) {
-  const int D = kv.head_dim, B = kv.block_size, H = batch.num_heads, Hkv = kv.num_kv_heads;
+  const int D = kv.head_dim, H = batch.num_heads, Hkv = kv.num_kv_heads;
   const int G = H / Hkv, Q = num_rows * H, n = p1 - p0;
-  constexpr int64_t kElem = kT == kKvF32 ? 4 : 2;
+  constexpr int64_t kElem = SlotRows<kT>::kElem;
   const int64_t row_bytes = int64_t{Hkv} * D * kElem;
   float* q = scratch;         // [Q, D], scaled; query i = r * H + h
   float* scores = q + Q * D;  // [Q, n]
-  for (int r = 0; r < num_rows; ++r) {
-    const float* src = batch.query + rows[r] * batch.query_stride;
-    for (int i = 0; i < H * D; ++i) q[r * H * D + i] = src[i] * batch.scale;
-  }
-  auto slot_row = [&](int pos, int which) -> const char* {
-    const int64_t index = table[pos / B] * kv.block_stride + which * kv.kv_stride +
-                          (pos % B) * kv.token_stride;
-    return static_cast<const char*>(kv.data) + index * kElem;
-  };
+  scaled_queries(batch, rows, num_rows, D, q);
+  const SlotRows<kT> slot_row{kv, table};
   auto prefetch_tile = [&](int t0, int which) {
     for (int pos = t0; pos < std::min(p1, t0 + kTileSlots); ++pos) {
       const char* p = slot_row(pos, which);
@@ -508,14 +525,7 @@ void attend_rows_as(const KvLayout& kv, const DecodeBatch& batch, const int32_t*
       }
     }
   }
-  for (int i = 0; i < Q; ++i) {  // probabilities, unnormalized
-    float* s = scores + static_cast<int64_t>(i) * n;
-    float* out = partial + static_cast<int64_t>(i) * (D + 2);
-    out[0] = lane_max(s, n);
-    exp_shifted(s, n, out[0]);
-    out[1] = lane_sum(s, n);
-    std::fill(out + 2, out + 2 + D, 0.0f);
-  }
+  span_probabilities(scores, Q, n, D, partial);
   for (int t0 = p0; t0 < p1; t0 += kTileSlots) {
     const int t1 = std::min(p1, t0 + kTileSlots);
     prefetch_tile(t1, 1);

@@ -17,22 +17,10 @@
 
 #include "ggml_blocks.h"
 #include "kquants_common.h"
+#include "kquants_x86.h"
 
 namespace agentd_cpu {
 namespace {
-
-inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
-
-inline const uint8_t* bsums_of(const ActQ8_256& a) {
-  return reinterpret_cast<const uint8_t*>(&a) + offsetof(ActQ8_256, bsums);
-}
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // fp16 (d, dmin) at the start of a Q4_K/Q5_K block, times the activation's scale.
 inline __m128 d_dmin_times(const void* blk, float act_d) {
@@ -65,26 +53,6 @@ inline __m256i pick16(int row) {
   return _mm256_load_si256(reinterpret_cast<const __m256i*>(kPick.bytes[row]));
 }
 
-// Software prefetch distance: hardware prefetch alone leaves a core well short of its read
-// bandwidth once each line also takes ~15 cycles of arithmetic (measured on Zen 1, 2 KB best).
-constexpr int kPrefetchBytes = 2048;
-
-// Prefetches the lines of one block kPrefetchBytes ahead (n lines, 64 bytes each).
-inline void prefetch_ahead(const void* blk, int n) {
-  // Integer arithmetic: the address may lie past the row, which a prefetch may touch (it never
-  // faults) but a pointer may not point to.
-  const auto p = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(blk) + kPrefetchBytes);
-  for (int i = 0; i < n; ++i) _mm_prefetch(p + 64 * i, _MM_HINT_T0);
-}
-
-// The minimums' term of a Q4_K/Q5_K super-block: int32 lanes summing to sum_j m_j * (bsums[2j]
-// + bsums[2j + 1]) (each m_j paired with both of its sub-block's group sums).
-inline __m256i min_terms(uint64_t mins, const ActQ8_256& a) {
-  const __m128i dup = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-  const __m128i m8 = _mm_shuffle_epi8(_mm_cvtsi64_si128(static_cast<long long>(mins)), dup);
-  return _mm256_madd_epi16(load256(bsums_of(a)), _mm256_cvtepu8_epi16(m8));
-}
-
 // Q4_K (kHigh false) and Q5_K (kHigh true), which differ only in bit 4 of each weight value:
 // one weight row times N activation rows act + j * act_stride into out[j * out_stride]. The
 // weight values and scales are unpacked once per super-block for all N rows, and each row's
@@ -93,7 +61,6 @@ template <bool kHigh, int N>
 inline void dot_q45_K(int K, const uint8_t* row, size_t block_bytes, size_t scales_off,
                       size_t qh_off, size_t qs_off, const uint8_t* act, size_t act_stride,
                       float* out, size_t out_stride) {
-  const __m256i low4 = _mm256_set1_epi8(0x0f), bit4 = _mm256_set1_epi8(0x10);
   __m256 acc[N];
   for (int j = 0; j < N; ++j) acc[j] = _mm256_setzero_ps();
   for (int b = 0; b < K / QK_K; ++b) {
@@ -108,14 +75,8 @@ inline void dot_q45_K(int K, const uint8_t* row, size_t block_bytes, size_t scal
     __m256i isum[N];
     for (int j = 0; j < N; ++j) isum[j] = _mm256_setzero_si256();
     for (int c = 0; c < 4; ++c) {  // 32 bytes of nibbles: sub-blocks 2c (low) and 2c + 1 (high)
-      const __m256i q = load256(blk + qs_off + 32 * c);
-      __m256i lo = _mm256_and_si256(q, low4);
-      __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
-      if (kHigh) {  // bits 2c and 2c + 1 of qh, moved to bit 4; then the next pair to bits 0-1
-        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(qh, 4), bit4));
-        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(qh, 3), bit4));
-        qh = _mm256_srli_epi16(qh, 2);
-      }
+      __m256i lo, hi;
+      q45_values<kHigh>(load256(blk + qs_off + 32 * c), qh, lo, hi);
       const __m256i s_lo = _mm256_shuffle_epi8(scales, pick16(2 * c));
       const __m256i s_hi = _mm256_shuffle_epi8(scales, pick16(2 * c + 1));
       for (int j = 0; j < N; ++j) {
@@ -155,7 +116,6 @@ inline void store32(float* out, __m256i q, const __m256 ds[2], const __m256 dm[2
 template <bool kHigh>
 inline void dequant_q45_K(int K, const uint8_t* row, size_t block_bytes, size_t scales_off,
                           size_t qh_off, size_t qs_off, float* out) {
-  const __m256i low4 = _mm256_set1_epi8(0x0f), bit4 = _mm256_set1_epi8(0x10);
   for (int b = 0; b < K / QK_K; ++b, out += QK_K) {
     const uint8_t* blk = row + b * block_bytes;
     const KqScaleMins sm = kq_unpack_scale_mins(blk + scales_off);
@@ -163,14 +123,8 @@ inline void dequant_q45_K(int K, const uint8_t* row, size_t block_bytes, size_t 
     const float d = _mm_cvtss_f32(dm), dmin = _mm_cvtss_f32(_mm_movehdup_ps(dm));
     __m256i qh = kHigh ? load256(blk + qh_off) : _mm256_setzero_si256();
     for (int c = 0; c < 4; ++c) {  // sub-blocks 2c (low nibbles) and 2c + 1 (high nibbles)
-      const __m256i q = load256(blk + qs_off + 32 * c);
-      __m256i lo = _mm256_and_si256(q, low4);
-      __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
-      if (kHigh) {
-        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(qh, 4), bit4));
-        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(qh, 3), bit4));
-        qh = _mm256_srli_epi16(qh, 2);
-      }
+      __m256i lo, hi;
+      q45_values<kHigh>(load256(blk + qs_off + 32 * c), qh, lo, hi);
       for (int s = 0; s < 2; ++s) {
         const int j = 2 * c + s;
         const __m256 ds = _mm256_set1_ps(d * kq_byte(sm.scales, j));

@@ -22,42 +22,12 @@
 
 #include "ggml_blocks.h"
 #include "kquants_common.h"
+#include "kquants_x86.h"
 
 namespace agentd_cpu {
 namespace {
 
-inline __m256i load256(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
 inline __m512i load512(const void* p) { return _mm512_loadu_si512(p); }
-
-inline const uint8_t* bsums_of(const ActQ8_256& a) {
-  return reinterpret_cast<const uint8_t*>(&a) + offsetof(ActQ8_256, bsums);
-}
-
-// The minimums' term of a Q4_K/Q5_K super-block: eight int32 lanes summing to
-// sum_j m_j * (bsums[2j] + bsums[2j + 1]).
-inline __m256i min_terms(uint64_t mins, const ActQ8_256& a) {
-  const __m128i dup = _mm_setr_epi8(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-  const __m128i m8 = _mm_shuffle_epi8(_mm_cvtsi64_si128(static_cast<long long>(mins)), dup);
-  return _mm256_madd_epi16(load256(bsums_of(a)), _mm256_cvtepu8_epi16(m8));
-}
-
-inline float hsum256(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
-// Software prefetch distance (as in the AVX2 file): without it one core streams a K-quant row
-// well below its read bandwidth.
-constexpr int kPrefetchBytes = 2048;
-
-inline void prefetch_ahead(const void* blk, int n) {
-  // Integer arithmetic: the address may lie past the row, which a prefetch may touch (it never
-  // faults) but a pointer may not point to.
-  const auto p = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(blk) + kPrefetchBytes);
-  for (int i = 0; i < n; ++i) _mm_prefetch(p + 64 * i, _MM_HINT_T0);
-}
 
 inline float fp16_at(const uint8_t* p) {
   uint16_t h;
@@ -79,7 +49,6 @@ template <bool kHigh, int N>
 inline void dot_q45_K(int K, const uint8_t* row, size_t block_bytes, size_t scales_off,
                       size_t qh_off, size_t qs_off, const uint8_t* act, size_t act_stride,
                       float* out, size_t out_stride) {
-  const __m256i low4 = _mm256_set1_epi8(0x0f), bit4 = _mm256_set1_epi8(0x10);
   const __m256i zero = _mm256_setzero_si256();
   __m256 acc[N];
   for (int j = 0; j < N; ++j) acc[j] = _mm256_setzero_ps();
@@ -95,14 +64,8 @@ inline void dot_q45_K(int K, const uint8_t* row, size_t block_bytes, size_t scal
     __m256i isum[N];
     for (int j = 0; j < N; ++j) isum[j] = zero;
     for (int c = 0; c < 4; ++c) {  // 32 bytes of nibbles: sub-blocks 2c (low) and 2c + 1 (high)
-      const __m256i q = load256(blk + qs_off + 32 * c);
-      __m256i lo = _mm256_and_si256(q, low4);
-      __m256i hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
-      if (kHigh) {  // bits 2c and 2c + 1 of qh, moved to bit 4; then the next pair to bits 0-1
-        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_slli_epi16(qh, 4), bit4));
-        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_slli_epi16(qh, 3), bit4));
-        qh = _mm256_srli_epi16(qh, 2);
-      }
+      __m256i lo, hi;
+      q45_values<kHigh>(load256(blk + qs_off + 32 * c), qh, lo, hi);
       const __m256i s_lo = _mm256_permutexvar_epi32(_mm256_set1_epi32(2 * c), scales);
       const __m256i s_hi = _mm256_permutexvar_epi32(_mm256_set1_epi32(2 * c + 1), scales);
       for (int j = 0; j < N; ++j) {
@@ -121,7 +84,7 @@ inline void dot_q45_K(int K, const uint8_t* row, size_t block_bytes, size_t scal
                                 _mm256_cvtepi32_ps(min_terms(sm.mins, *a[j])), acc[j]);
     }
   }
-  for (int j = 0; j < N; ++j) out[j * out_stride] = hsum256(acc[j]);
+  for (int j = 0; j < N; ++j) out[j * out_stride] = hsum(acc[j]);
 }
 
 constexpr size_t kQ4Scales = offsetof(BlockQ4_K, scales), kQ4Qs = offsetof(BlockQ4_K, qs);

@@ -116,6 +116,7 @@ class EngineConfig:
     cpu_linear: str = "onednn"  # "onednn" (packed weights) or "torch" (F.linear, MKL)
     seed: int = 0
     num_threads: int | None = None
+    mlock: bool = False  # lock a served GGUF's mapped weights in RAM (llama.cpp's --mlock)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     jump_forward: bool = True  # append the tokens a grammar forces without a step each
     kv_events: KVEventsConfig | None = None  # publish the pool's KV events (agentd.kv_events)

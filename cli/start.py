@@ -123,6 +123,11 @@ def _option(name: str, **kwargs: Any) -> Any:
 @_option("--no-jump-forward", is_flag=True,
          help="Decode every token of a constrained output, even where the grammar allows only "
               "one continuation (by default such text is appended without a step each).")
+@_option("--mlock", is_flag=True,
+         help="Lock a GGUF's memory-mapped weights in RAM (read in at start), so memory "
+              "pressure never pages them out and a request never waits for them to be read "
+              "back from disk. Needs a locked-memory limit (ulimit -l) above the file's size; "
+              "if it is lower, the log says so and the weights stay mapped as without it.")
 @_option("--seed", default=_DEFAULTS["seed"], type=int, help="Seed for requests without one.")
 @_option("--num-threads", default=None, type=int,
          help="CPU threads for torch [default: all cores]. Every daemon takes this many: "
@@ -246,6 +251,7 @@ def engine_config(params: dict[str, Any]) -> EngineConfig:
             attention_backend=params["attention_backend"], cpu_linear=params["cpu_linear"],
             seed=params["seed"],
             num_threads=params["num_threads"],
+            mlock=params["mlock"],
             kv_events=_kv_events(params),
             speculative=SpeculativeConfig(
                 method=params["speculative"], num_tokens=params["num_speculative_tokens"],

@@ -182,6 +182,15 @@ def load_gguf(config: EngineConfig) -> LoadedModel:
     files = resolve_model(config.model, serve_gguf=True)
     assert files.gguf is not None
     gguf = load_gguf_model(files.gguf)
+    if config.mlock:
+        locking = time.perf_counter()
+        problem = gguf.file.lock()
+        if problem is None:
+            logger.info("--mlock: %s's %.0f MiB locked in RAM in %.1f s", files.name,
+                        gguf.file.data.numel() / 2**20, time.perf_counter() - locking)
+        else:
+            logger.warning("--mlock: %s's weights stay paged from the file: %s", files.name,
+                           problem)
     tokenizer = load_tokenizer(files)
     fingerprint = model_fingerprint(files, gguf.config, tokenizer, "float32+weights-gguf")
     isa = detect_isa()
@@ -204,6 +213,9 @@ def load_model(config: EngineConfig) -> LoadedModel:
         reuse_large_buffers()
     if serves_gguf(config, device):
         return load_gguf(config)
+    if config.mlock:
+        logger.info("--mlock locks a GGUF's mapped weights; these are loaded into the "
+                    "process's own memory, which --mlock leaves as it is")
     files = resolve_model(config.model)
     hf_config = load_config(files)
     tokenizer = load_tokenizer(files)

@@ -12,6 +12,7 @@ type or a tensor type without a known block size fails with a ``ValueError`` tha
 from __future__ import annotations
 
 import mmap
+import os
 import struct
 import warnings
 from collections import Counter
@@ -118,6 +119,28 @@ REQUANTIZE_HINT = ("re-quantize to Q4_K_M/Q8_0 with llama-quantize, or pass --we
 _FLOAT_TYPES = {"F32": np.float32, "F16": np.float16}
 
 
+def lock_memory(address: int, length: int) -> str | None:
+    """``mlock(address, length)``; None on success, else the error and what to do about it."""
+    import ctypes
+    import errno
+    import resource
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        failed = libc.mlock(ctypes.c_void_p(address), ctypes.c_size_t(length)) != 0
+    except (OSError, AttributeError) as exc:  # no mlock in this C library
+        return f"mlock is not available here ({exc})"
+    if not failed:
+        return None
+    code = ctypes.get_errno()
+    limit = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+    shown = "unlimited" if limit == resource.RLIM_INFINITY else f"{limit / 2**20:.0f} MiB"
+    return (f"mlock of {length / 2**20:.0f} MiB failed ({errno.errorcode.get(code, code)}: "
+            f"{os.strerror(code)}); the locked-memory limit is {shown}: raise it (`ulimit -l "
+            "unlimited` in the shell that starts agentd, LimitMEMLOCK=infinity in a systemd "
+            "unit) or start without --mlock")
+
+
 @dataclass(frozen=True)
 class GgufFile:
     """A GGUF's index and its bytes, mapped read-only.
@@ -143,6 +166,12 @@ class GgufFile:
             warnings.filterwarnings("ignore", message=".*not writable.*")
             data = torch.from_numpy(np.frombuffer(mapping, dtype=np.uint8))
         return cls(path, index, {t.name: t for t in index.tensors}, data)
+
+    def lock(self) -> str | None:
+        """Lock the mapping in RAM (``mlock``: every page read in now and never paged out);
+        None on success, else why not (the error and what to do)."""
+        start, end = self.address_range()
+        return lock_memory(start, end - start)
 
     def address_range(self) -> tuple[int, int]:
         """``[start, end)`` of the mapping in this process's address space."""

@@ -14,6 +14,7 @@ agentd.kernels.cpu.
 from __future__ import annotations
 
 import json
+import os
 import resource
 from pathlib import Path
 
@@ -33,7 +34,7 @@ from agentd.model import default_model, gguf_convert
 from agentd.model.build import LoadedModel, eos_token_ids
 from agentd.model.default_model import default_gguf_path
 from agentd.model.ggml_linear import QUANT_MODULES, QuantEmbedding, QuantLinear
-from agentd.model.gguf_index import GgufFile
+from agentd.model.gguf_index import GgufFile, lock_memory
 from agentd.model.gguf_model import load_gguf_model
 from agentd.model.llama import RotaryEmbedding, pack_linears, rope_inv_freq
 from agentd.model.loader import (
@@ -357,6 +358,31 @@ def test_loading_allocates_no_fp32_weights(tiny_gguf: tuple[Path, Path]) -> None
     # The tiny model's fp32 weights are 57 MB; loading takes a few MB (norms, rotary table).
     assert grown < fp32_bytes / 4
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - peak_before < fp32_bytes / 4
+
+
+def test_mlock_keeps_the_mapped_weights_in_ram(tiny_gguf: tuple[Path, Path],
+                                                monkeypatch: pytest.MonkeyPatch,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    path, cache = tiny_gguf
+    monkeypatch.setenv("AGENTD_CACHE_DIR", str(cache))
+    locked_before = proc_status_bytes("VmLck")
+    limit = resource.getrlimit(resource.RLIMIT_MEMLOCK)[0]
+    can_lock = (os.geteuid() == 0 or limit == resource.RLIM_INFINITY
+                or limit >= 2 * path.stat().st_size)
+    with caplog.at_level("INFO", logger="agentd"):
+        llm = LLM(str(path), kv_cache_memory_bytes=POOL_BYTES, mlock=True)
+    if can_lock:
+        assert proc_status_bytes("VmLck") - locked_before >= path.stat().st_size
+        assert "locked in RAM" in caplog.text
+    else:  # an unprivileged user under a small limit: the daemon starts, and says why not
+        assert "ulimit -l" in caplog.text
+    assert len(llm.generate([[1, 2, 3]], GREEDY)[0].token_ids) == MAX_TOKENS
+
+
+def test_a_failed_mlock_names_the_limit_and_what_to_do() -> None:
+    problem = lock_memory(0, 1 << 20)  # nothing is mapped at address 0
+    assert problem is not None and "ENOMEM" in problem and "ulimit -l" in problem
+    assert "--mlock" in problem
 
 
 def _one_tensor_gguf(path: Path, qtype: QT) -> Path:

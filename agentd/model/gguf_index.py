@@ -125,10 +125,11 @@ def lock_memory(address: int, length: int) -> str | None:
     import errno
     import resource
 
+    from agentd.model.libc import libc
+
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        failed = libc.mlock(ctypes.c_void_p(address), ctypes.c_size_t(length)) != 0
-    except (OSError, AttributeError) as exc:  # no mlock in this C library
+        failed = libc().mlock(ctypes.c_void_p(address), ctypes.c_size_t(length)) != 0
+    except (OSError, AttributeError) as exc:  # no C library, or no mlock in it
         return f"mlock is not available here ({exc})"
     if not failed:
         return None

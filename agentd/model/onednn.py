@@ -10,11 +10,12 @@ before its first use.
 from __future__ import annotations
 
 import os
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from agentd.model.libc import libc
 
 ONEDNN_CACHE_ENTRIES = 16  # a step's five layer shapes for three row counts
 # bfloat16 attention runs as batched GEMMs over 128-row tiles (kernels.prefill_attention), two
@@ -147,18 +148,8 @@ def pack_linears(model: nn.Module) -> int:
     return num_packed
 
 
-_libc: Any = None
 # mallopt's parameters (glibc's malloc.h)
 _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
-
-
-def _glibc() -> Any:
-    global _libc
-    if _libc is None:
-        import ctypes
-
-        _libc = ctypes.CDLL("libc.so.6")
-    return _libc
 
 
 def reuse_large_buffers() -> bool:
@@ -173,9 +164,8 @@ def reuse_large_buffers() -> bool:
     is still handed back after each long step (:func:`release_free_memory`), so RSS between
     steps is unchanged. Process-wide and irreversible; returns False off glibc."""
     try:
-        libc = _glibc()
-        return bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(
-            libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+        c = libc()
+        return bool(c.mallopt(_M_MMAP_MAX, 0)) and bool(c.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
     except (OSError, AttributeError):
         return False
 
@@ -185,6 +175,6 @@ def release_free_memory() -> None:
     loading the default model (dense weights, reads), ~50-90 MB after a long prefill step
     (activations). Takes ~1-5 ms. A no-op off glibc."""
     try:
-        _glibc().malloc_trim(0)
+        libc().malloc_trim(0)
     except (OSError, AttributeError):
         pass

@@ -59,7 +59,8 @@ inline void dot_q45_K(int K, const uint8_t* row, size_t block_bytes, size_t scal
     prefetch_ahead(blk, 3);  // 144 or 176 bytes a block
     const KqScaleMins sm = kq_unpack_scale_mins(blk + scales_off);
     // Scales as int32 lanes 0-7 (zero-extended bytes: high 16 bits are 0, as dpwssd needs).
-    const __m256i scales = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(sm.scales)));
+    const __m256i scales =
+        _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(sm.scales)));
     __m256i qh = kHigh ? load256(blk + qh_off) : zero;
     __m256i isum[N];
     for (int j = 0; j < N; ++j) isum[j] = zero;
@@ -71,8 +72,7 @@ inline void dot_q45_K(int K, const uint8_t* row, size_t block_bytes, size_t scal
       for (int j = 0; j < N; ++j) {
         const __m256i d_lo = _mm256_dpbusd_epi32(zero, lo, load256(a[j]->qs + 64 * c));
         const __m256i d_hi = _mm256_dpbusd_epi32(zero, hi, load256(a[j]->qs + 64 * c + 32));
-        // Off isum's chain: only the add waits for the last c (dpwssd on isum itself made
-        // one row's sub-blocks a chain of eight 5-cycle steps).
+        // Off isum's chain (see above): only the add waits for the last c.
         isum[j] = _mm256_add_epi32(
             isum[j], _mm256_dpwssd_epi32(_mm256_madd_epi16(d_lo, s_lo), d_hi, s_hi));
       }

@@ -126,7 +126,7 @@ if sys.argv[1] == "reuse":
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 def step():  # a prefill step's activations: 64 MiB buffers, written, freed, allocated again
-    for _ in range(8):
+    for _ in range(32):
         torch.empty(2000, 8192).fill_(1.0)
 step()
 release_free_memory()  # what the runner does after a long step
@@ -147,9 +147,11 @@ def test_large_buffers_come_back_from_the_heap_without_page_faults() -> None:
         result = subprocess.run([sys.executable, "-c", _FAULTS_SCRIPT, mode], capture_output=True,
                                 text=True, timeout=120, check=True)
         faults[mode] = int(result.stdout.split()[-1])
-    pages = 8 * 2000 * 8192 * 4 // 4096
+    pages = 32 * 2000 * 8192 * 4 // 4096  # every buffer's pages
     assert faults["default"] > 0.9 * pages, faults  # the cost this avoids is real here
-    assert faults["reuse"] < 0.35 * pages, faults  # the first one or two buffers after the trim
+    # After the trim the heap grows again by a few buffers (one or two here; five once, in a
+    # CI worker, where its small allocations fell between them); the rest come back unfaulted.
+    assert faults["reuse"] < pages / 4, faults
 
 
 def test_a_cpu_without_bf16_packing_skips_the_bf16_case_and_the_daemon_falls_back(

@@ -14,16 +14,16 @@ __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", 
 
 if TYPE_CHECKING:
     from agentd.config import EngineConfig
+    from agentd.engine.outputs import RequestOutput
+    from agentd.engine.sampling_params import SamplingParams
     from agentd.llm import LLM
-    from agentd.outputs import RequestOutput
-    from agentd.sampling_params import SamplingParams
     from agentd.structured.params import StructuredOutputsParams
 
 _LAZY = {
     "LLM": "agentd.llm",
-    "SamplingParams": "agentd.sampling_params",
+    "SamplingParams": "agentd.engine.sampling_params",
     "StructuredOutputsParams": "agentd.structured.params",
-    "RequestOutput": "agentd.outputs",
+    "RequestOutput": "agentd.engine.outputs",
     "EngineConfig": "agentd.config",
 }
 

@@ -38,7 +38,7 @@ def parse_duration(text: str | float | int) -> float:
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Prompt-lookup speculative decoding (:mod:`agentd.spec_decode`).
+    """Prompt-lookup speculative decoding (:mod:`agentd.engine.spec_decode`).
 
     ``method`` "ngram" drafts up to ``num_tokens`` tokens per step from the longest match
     (``ngram_max`` down to ``ngram_min`` tokens) of a request's last tokens earlier in its own
@@ -104,7 +104,7 @@ class EngineConfig:
     # "dequantize" per call (no second copy; slower prefill)
     block_size: int = 16
     # None: max_model_len tokens for each of max_num_seqs sequences within a share of the free
-    # memory (agentd.kv_sizing); a size sets the pool
+    # memory (agentd.engine.kv_sizing); a size sets the pool
     kv_cache_memory_bytes: int | None = None
     kv_cache_dtype: str = "auto"  # the pool's dtype; attention math stays fp32 (auto: kv_sizing)
     max_num_seqs: int = 32
@@ -119,7 +119,7 @@ class EngineConfig:
     mlock: bool = False  # lock a served GGUF's mapped weights in RAM (llama.cpp's --mlock)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     jump_forward: bool = True  # append the tokens a grammar forces without a step each
-    kv_events: KVEventsConfig | None = None  # publish the pool's KV events (agentd.kv_events)
+    kv_events: KVEventsConfig | None = None  # publish the pool's KV events (kv_publisher)
     extra: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -10,10 +10,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from agentd.config import EngineConfig, SpeculativeConfig, parse_size
-from agentd.engine import LLMEngine
-from agentd.outputs import RequestOutput
-from agentd.request import EngineRequest
-from agentd.sampling_params import SamplingParams
+from agentd.engine.llm_engine import LLMEngine
+from agentd.engine.outputs import RequestOutput
+from agentd.engine.request import EngineRequest
+from agentd.engine.sampling_params import SamplingParams
 
 PromptLike = str | list[int]
 

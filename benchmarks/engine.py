@@ -82,8 +82,8 @@ def chat_prompts(tokenizer, turns: list[str]) -> list[list[int]]:
 
 
 def run_ttft(engine, prompt_ids: list[int]) -> TtftResult:
-    from agentd.request import EngineRequest
-    from agentd.sampling_params import SamplingParams
+    from agentd.engine.request import EngineRequest
+    from agentd.engine.sampling_params import SamplingParams
 
     start = time.perf_counter()
     request_id = engine.add_request(
@@ -98,8 +98,8 @@ def run_ttft(engine, prompt_ids: list[int]) -> TtftResult:
 
 def run_engine(engine, prompts: list[list[int]], num_tokens: int) -> RunTimes:
     """Run ``prompts`` as one batch, greedy, ``num_tokens`` each; time every step."""
-    from agentd.request import EngineRequest
-    from agentd.sampling_params import SamplingParams
+    from agentd.engine.request import EngineRequest
+    from agentd.engine.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
     start = last = time.perf_counter()

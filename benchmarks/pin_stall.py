@@ -29,15 +29,15 @@ from pathlib import Path
 
 import torch
 
-from agentd import pin_snapshots
-from agentd.async_engine import AsyncEngine
 from agentd.bench.workload import load_workload, packaged_path
 from agentd.cache import PinKey
 from agentd.chat import render_chat
 from agentd.config import EngineConfig, parse_size
-from agentd.pin_service import PinService, PinSpec
-from agentd.request import EngineRequest
-from agentd.sampling_params import SamplingParams
+from agentd.engine.async_engine import AsyncEngine
+from agentd.engine.request import EngineRequest
+from agentd.engine.sampling_params import SamplingParams
+from agentd.pins import snapshots as pin_snapshots
+from agentd.pins.service import PinService, PinSpec
 
 NUM_STREAMS = 8
 

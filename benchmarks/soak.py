@@ -49,7 +49,7 @@ from typing import Any
 import httpx
 
 from agentd.bench.spawn import SpawnedDaemon
-from agentd.pin_snapshots import file_stem
+from agentd.pins.snapshots import file_stem
 
 WORKLOADS = ("coding_agent", "support_agent", "research_agent")
 READY_TIMEOUT_S = 900.0

@@ -37,10 +37,10 @@ from agentd.bench.workload import (
 )
 from agentd.chat import render_chat
 from agentd.config import EngineConfig, SpeculativeConfig
-from agentd.engine import LLMEngine
+from agentd.engine.llm_engine import LLMEngine
+from agentd.engine.request import EngineRequest
+from agentd.engine.sampling_params import SamplingParams
 from agentd.model.build import load_model
-from agentd.request import EngineRequest
-from agentd.sampling_params import SamplingParams
 
 ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16",
              "amx_int8", "amx_tile")

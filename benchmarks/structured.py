@@ -28,9 +28,9 @@ from typing import Any
 import torch
 
 from agentd.chat import render_chat
+from agentd.engine.request import EngineRequest
+from agentd.engine.sampling_params import SamplingParams
 from agentd.llm import LLM
-from agentd.request import EngineRequest
-from agentd.sampling_params import SamplingParams
 from agentd.structured.compiler import GrammarCompiler
 from agentd.structured.params import FunctionSpec, StructuredOutputsParams, ToolCallsSpec
 

@@ -6,17 +6,6 @@ Invariant: this package imports only the standard library and xxhash.
 from __future__ import annotations
 
 from .block_pool import BlockPool, FreeBlockQueue, KVBlock, NoFreeBlocksError
-from .events import (
-    NULL_KV_EVENTS,
-    AllBlocksCleared,
-    BlockRemoved,
-    BlockStored,
-    KVEvent,
-    KVEventLog,
-    KVEventSink,
-    blocks_digest,
-    replay,
-)
 from .hashing import BlockHash, hash_block, hash_blocks
 from .holders import (
     CONVERSATION,
@@ -28,6 +17,17 @@ from .holders import (
     Owner,
 )
 from .kv_cache_manager import CachedPrefix, KVCacheManager, KVCopy
+from .kv_events import (
+    NULL_KV_EVENTS,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    KVEventLog,
+    KVEventSink,
+    blocks_digest,
+    replay,
+)
 from .pins import (
     Pin,
     PinBudgetError,
@@ -38,7 +38,7 @@ from .pins import (
     PinRegistry,
     pin_key,
 )
-from .retention import RetainedPrefix, RetainedPrefixes
+from .retained import RetainedPrefix, RetainedPrefixes
 from .tails import KeptTail, TailHit, TailIndex, common_prefix_len
 
 __all__ = [

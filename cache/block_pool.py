@@ -4,7 +4,7 @@ Invariant: every block is in exactly one of {free queue (ref_cnt == 0), referenc
 (ref_cnt > 0)}; ref counts never go negative; the hash map points only at blocks whose
 ``block_hash`` equals the key, and every hashed block is in the map. A pinned block holds a
 reference, so it never enters the free queue and can never be evicted. Every change to the map is
-reported to the pool's ``events`` sink as it happens (:mod:`.events`).
+reported to the pool's ``events`` sink as it happens (:mod:`.kv_events`).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
-from .events import NULL_KV_EVENTS, KVEventSink
 from .hashing import BlockHash
+from .kv_events import NULL_KV_EVENTS, KVEventSink
 
 
 @dataclass(slots=True)

@@ -16,9 +16,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from .block_pool import BlockPool
-from .events import NULL_KV_EVENTS, KVEventSink
 from .hashing import BlockHash, hash_blocks
 from .holders import REQUEST, BlockHolders, Owner
+from .kv_events import NULL_KV_EVENTS, KVEventSink
 from .tails import TailIndex
 
 

@@ -6,7 +6,7 @@ Pins are scoped by tenant: a pin is found by its ``PinKey`` (tenant, name), so t
 each hold a pin of the same name, and its blocks are hashed under its tenant's cache salt, so
 only that tenant's requests ever match it. ``owner=None`` is the server-wide name space.
 
-Retention is the same mechanism (design §9): a retained prefix (:mod:`.retention`) is a hold
+Retention is the same mechanism (design §9): a retained prefix (:mod:`.retained`) is a hold
 with an expiry, counted in the same budget. Pins come first: a pin is checked against pins
 alone, and when it is added the retained prefixes make room for it, least recently used first;
 a new retained prefix likewise displaces older ones, never a pin.
@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 from .hashing import BlockHash
 from .holders import PIN, Owner
 from .kv_cache_manager import KVCacheManager
-from .retention import RetainedPrefix, RetainedPrefixes
+from .retained import RetainedPrefix, RetainedPrefixes
 from .tails import KeptTail
 
 

@@ -1,4 +1,4 @@
-"""Cache-busters between a client's own prompts (agentd/near_miss.py, agentd/server/
+"""Cache-busters between a client's own prompts (agentd/pins/near_miss.py, agentd/server/
 prompt_history.py), on the real SmolLM2 tokenizer and chat template: Claude Code's billing
 header, a per-request id, a timestamp at the end of the system prompt — and no report for what
 is not one (a conversation going on, another user turn, another key or tenant)."""
@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from agentd.chat import render_chat
-from agentd.near_miss import CLAUDE_CODE_FIX, CLAUDE_CODE_HEADER, find_span
+from agentd.pins.near_miss import CLAUDE_CODE_FIX, CLAUDE_CODE_HEADER, find_span
 from agentd.server.prompt_history import MAX_GROUPS, PromptHistory
 
 RULES = ("You are an interactive CLI tool that helps users with software engineering tasks. "

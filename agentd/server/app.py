@@ -23,7 +23,7 @@ from litestar.openapi.plugins import ScalarRenderPlugin
 
 from agentd import __version__
 from agentd.config import EngineConfig
-from agentd.server.errors import exception_handlers
+from agentd.server.errors import anthropic_error_body, exception_handlers
 from agentd.server.local_token import TOKEN_HEADER
 from agentd.server.routes_admin import AdminController, health, metrics, version
 from agentd.server.routes_anthropic import MessagesController
@@ -33,10 +33,9 @@ from agentd.server.routes_responses import ResponsesController
 from agentd.server.settings import ServerSettings
 from agentd.server.state import ServerState, count_arrivals
 from agentd.server.web_guard import web_guard
-from agentd.server.wires.anthropic_out import anthropic_error_body
 
 if TYPE_CHECKING:
-    from agentd.async_engine import AsyncEngine
+    from agentd.engine.async_engine import AsyncEngine
 
 __all__ = ["ServerSettings", "create_app"]
 

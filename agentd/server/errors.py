@@ -1,7 +1,7 @@
 """Every error the server answers, raised once as one internal type and rendered in the shape
 of the wire it happened on. OpenAI's is the app's: ``{"error": {"message", "type", "param",
 "code"}}`` with the HTTP status that says who must act (4xx: the client, 5xx: the server). A wire
-with a shape of its own (Anthropic's, :mod:`agentd.server.wires.anthropic_out`) builds its
+with a shape of its own (Anthropic's, ``anthropic_error_body``) builds its
 handlers with ``exception_handlers(its_error_body)`` and hangs them on its controller, so
 everything raised under its routes — the key guard, the web guard, its handlers — answers in its
 shape with the same status. A request that no route takes (404, 405) has no controller: it
@@ -90,6 +90,19 @@ def error_body(
 def openai_error_body(error: APIError) -> ErrorResponse:
     """The app's shape: OpenAI's envelope."""
     return error_body(error.message, type=error.type, param=error.param, code=error.code)
+
+
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                429: "rate_limit_error", 503: "overloaded_error"}
+
+
+def anthropic_error_body(error: APIError) -> dict[str, Any]:
+    """The wire's error shape: ``{"type": "error", "error": {"type", "message"}}``, with the
+    same status as on every wire."""
+    kind = _ANTHROPIC_TYPES.get(error.status) or (
+        "api_error" if error.status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": error.message}}
 
 
 def error_type(status: int) -> str:

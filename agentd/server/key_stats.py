@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from agentd.outputs import StreamDelta
+    from agentd.engine.outputs import StreamDelta
 
 MAX_KEYS = 1024
 

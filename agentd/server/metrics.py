@@ -21,9 +21,9 @@ from prometheus_client.exposition import generate_latest
 from agentd.server.stats import RecentRequests
 
 if TYPE_CHECKING:
-    from agentd.engine import EngineStats
-    from agentd.outputs import StreamDelta
-    from agentd.pins import PinSummary
+    from agentd.engine.llm_engine import EngineStats
+    from agentd.engine.outputs import StreamDelta
+    from agentd.pins.manager import PinSummary
 
 CONTENT_TYPE = "text/plain; version=0.0.4"  # the text format; the server adds the charset
 _LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,

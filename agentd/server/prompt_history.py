@@ -2,7 +2,7 @@
 
 A ``prompt_cache_key`` names a conversation or an agent, so its requests should share their
 prefixes; a request that agrees with one of its group's recent prompts but for a short span
-(``agentd.near_miss``) lost the run after that span to a cache-buster, and is recorded with the
+(``agentd.pins.near_miss``) lost the run after that span to a cache-buster, and is recorded with the
 cause, the varying span on both sides and the tokens lost. Requests without a key form one group
 per tenant. Invariants: memory is bounded (``MAX_GROUPS`` groups of ``PER_GROUP`` prompts, each
 cut to ``MAX_TOKENS``, stored as 4-byte ints; ``RECENT`` records); groups never cross tenants;
@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from agentd.cache import common_prefix_len
-from agentd.near_miss import describe, find_span
+from agentd.pins.near_miss import describe, find_span
 
 MAX_GROUPS = 128
 PER_GROUP = 4

@@ -52,7 +52,7 @@ def _num_threads() -> int:
 
 def _memory() -> dict[str, int | None]:
     """The daemon's resident memory now and its peak since start (``/proc/self/status``)."""
-    from agentd.kv_sizing import proc_status_bytes
+    from agentd.engine.kv_sizing import proc_status_bytes
 
     return {"rss_bytes": proc_status_bytes("VmRSS"), "peak_rss_bytes": proc_status_bytes("VmHWM")}
 

@@ -20,17 +20,12 @@ from litestar.params import Body
 from litestar.response import Stream
 
 from agentd.server.auth import require_api_key
-from agentd.server.errors import exception_handlers
-from agentd.server.intake import check_chars, text_chars
+from agentd.server.errors import anthropic_error_body, exception_handlers
 from agentd.server.state import server_of
-from agentd.server.wires.anthropic_messages import MessagesRequest
-from agentd.server.wires.anthropic_out import (
-    anthropic_error_body,
-    complete_message,
-    prewarmed,
-    stream_message,
-)
+from agentd.server.wires.intake import check_chars, text_chars
 from agentd.server.wires.messages_plan import plan_messages, prompt_ids
+from agentd.server.wires.messages_reply import complete_message, prewarmed, stream_message
+from agentd.server.wires.messages_types import MessagesRequest
 from agentd.server.wires.plan import answer, prewarm, start
 
 MessagesBody = Annotated[MessagesRequest, Body(description="An Anthropic Messages request.")]

@@ -23,19 +23,15 @@ from litestar.response import Stream
 
 from agentd.server.auth import require_api_key
 from agentd.server.errors import ErrorResponse
-from agentd.server.intake import check_chat_size, check_completion_size
 from agentd.server.state import server_of
-from agentd.server.wires.chat_out import complete_chat, stream_chat
-from agentd.server.wires.openai_chat import plan_chat
-from agentd.server.wires.openai_completions import complete_text, plan_completion, stream_text
-from agentd.server.wires.openai_types import (
-    ChatCompletion,
-    ChatCompletionRequest,
-    Completion,
-    CompletionRequest,
-    ModelCard,
-    ModelList,
-)
+from agentd.server.wires.chat_plan import plan_chat
+from agentd.server.wires.chat_reply import complete_chat, stream_chat
+from agentd.server.wires.chat_types import ChatCompletion, ChatCompletionRequest
+from agentd.server.wires.completions_plan import plan_completion
+from agentd.server.wires.completions_reply import complete_text, stream_text
+from agentd.server.wires.completions_types import Completion, CompletionRequest
+from agentd.server.wires.intake import check_chat_size, check_completion_size
+from agentd.server.wires.openai_types import ModelCard, ModelList
 from agentd.server.wires.plan import answer
 
 _STREAM_NOTE = ("With `stream: true` the reply is `text/event-stream`: `data: {chunk}` events "

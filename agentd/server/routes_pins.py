@@ -22,13 +22,13 @@ from litestar.params import Body, FromPath, QueryParameter
 
 from agentd.cache import PinBudgetError, PinError, PinExistsError, PinKey, PinNotFoundError
 from agentd.config import parse_duration
-from agentd.pin_service import PinSpec, PinTooLongError
-from agentd.pin_store import PIN_NAME
+from agentd.pins.registry_file import PIN_NAME
+from agentd.pins.service import PinSpec, PinTooLongError
 from agentd.server.auth import cache_tenant, is_operator, require_api_key
 from agentd.server.errors import APIError, ErrorResponse
 from agentd.server.state import server_of
+from agentd.server.wires.chat_types import Tool
 from agentd.server.wires.checks import check_tools
-from agentd.server.wires.openai_types import Tool
 
 _CODES = {PinExistsError: "pin_exists", PinNotFoundError: "pin_not_found",
           PinBudgetError: "pin_budget_exceeded", PinTooLongError: "context_length_exceeded"}

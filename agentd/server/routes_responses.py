@@ -22,15 +22,19 @@ from litestar.response import Stream
 
 from agentd.server.auth import cache_tenant, require_api_key
 from agentd.server.errors import APIError
-from agentd.server.intake import check_chars, text_chars
+from agentd.server.response_store import StoredResponse
 from agentd.server.routes_openai import ERROR_RESPONSES
 from agentd.server.state import ServerState, server_of
-from agentd.server.wires.openai_responses import ResponsesRequest
+from agentd.server.wires.intake import check_chars, text_chars
 from agentd.server.wires.plan import answer
-from agentd.server.wires.response_store import StoredResponse
-from agentd.server.wires.responses_out import complete_response, stream_response
 from agentd.server.wires.responses_plan import ResponsesJob, plan_responses
-from agentd.server.wires.responses_types import DeletedResponse, FunctionCallItem, Response
+from agentd.server.wires.responses_reply import complete_response, stream_response
+from agentd.server.wires.responses_types import (
+    DeletedResponse,
+    FunctionCallItem,
+    Response,
+    ResponsesRequest,
+)
 
 _TEXT_KEYS = ("text", "content", "output", "arguments")
 ResponsesBody = Annotated[ResponsesRequest, Body(description="An OpenAI Responses API request.")]

@@ -25,16 +25,16 @@ from litestar.datastructures import State
 
 from agentd.config import EngineConfig
 from agentd.server.errors import APIError
-from agentd.server.intake import UnknownFields
+from agentd.server.ignored_fields import UnknownFields
 from agentd.server.key_stats import KeyStats
 from agentd.server.local_token import new_token, write_token
 from agentd.server.metrics import EngineSnapshot, ServerMetrics
+from agentd.server.response_store import ResponseStore
 from agentd.server.settings import ServerSettings
-from agentd.server.wires.response_store import ResponseStore
 
 if TYPE_CHECKING:
-    from agentd.async_engine import AsyncEngine
-    from agentd.pin_service import PinService
+    from agentd.engine.async_engine import AsyncEngine
+    from agentd.pins.service import PinService
     from agentd.server.prompt_history import PromptHistory
 
 logger = logging.getLogger("agentd.server")
@@ -43,7 +43,7 @@ _LOAD_JOIN_TIMEOUT_S = 300.0
 
 def ready_summary(engine: AsyncEngine) -> str:
     """What ``agentd start`` says once ready: the load time, memory, context and KV pool."""
-    from agentd.kv_sizing import format_bytes, proc_status_bytes
+    from agentd.engine.kv_sizing import format_bytes, proc_status_bytes
 
     plan = engine.kv_plan
     rss, peak = proc_status_bytes("VmRSS"), proc_status_bytes("VmHWM")
@@ -99,7 +99,7 @@ class ServerState:
         self._loader.start()
 
     def _load(self) -> None:
-        from agentd.async_engine import AsyncEngine
+        from agentd.engine.async_engine import AsyncEngine
 
         logger.info("loading model %s", self.config.model or "(default)")
         try:
@@ -119,7 +119,7 @@ class ServerState:
         logger.info("ready: %s", ready_summary(engine))
 
     def _pin_service(self, engine: AsyncEngine) -> PinService:
-        from agentd.pin_service import PinService
+        from agentd.pins.service import PinService
 
         return PinService(engine, self.settings.state_dir)
 

@@ -20,9 +20,9 @@ from collections import deque
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 if TYPE_CHECKING:
-    from agentd.engine import EngineStats
-    from agentd.outputs import StreamDelta
-    from agentd.pins import PinSummary
+    from agentd.engine.llm_engine import EngineStats
+    from agentd.engine.outputs import StreamDelta
+    from agentd.pins.manager import PinSummary
 
 WINDOW_REQUESTS = 2048
 WINDOW_S = 60.0

@@ -172,7 +172,7 @@ def tool_calls_params(tools: list[dict[str, Any]], tool_choice: Any = None,
     "none" or ``{"type": "function", "function": {"name": ...}}``); None when tools are off.
 
     One call per turn unless ``parallel_tool_calls`` is True (see
-    ``agentd.server.wires.openai_chat`` for why). ``answer_schema``: beside a JSON response
+    ``agentd.server.wires.chat_plan`` for why). ``answer_schema``: beside a JSON response
     format, an ``auto`` turn is calls or one JSON answer.
     """
     if not tools or tool_choice == "none":

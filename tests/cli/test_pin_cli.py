@@ -80,8 +80,8 @@ def daemon_url(tiny_model_factory, free_port) -> Iterator[str]:
     """The real app under uvicorn on a loopback port, over a tiny model (budget: 256 blocks)."""
     import uvicorn
 
-    from agentd.async_engine import AsyncEngine
     from agentd.config import EngineConfig
+    from agentd.engine.async_engine import AsyncEngine
     from agentd.server.app import create_app
 
     engine = AsyncEngine.from_config(EngineConfig(

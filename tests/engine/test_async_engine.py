@@ -9,13 +9,13 @@ from typing import Any
 
 import pytest
 
-from agentd.async_engine import AsyncEngine
 from agentd.config import EngineConfig
-from agentd.engine import EngineStats, LLMEngine
+from agentd.engine.async_engine import AsyncEngine
+from agentd.engine.llm_engine import EngineStats, LLMEngine
+from agentd.engine.outputs import StreamDelta
+from agentd.engine.request import EngineRequest
+from agentd.engine.sampling_params import SamplingParams
 from agentd.llm import LLM
-from agentd.outputs import StreamDelta
-from agentd.request import EngineRequest
-from agentd.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 TEXTS = ["The quick brown fox jumps over", "def fibonacci(n):", "In 1492, Columbus sailed",

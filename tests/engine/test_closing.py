@@ -12,9 +12,9 @@ from typing import Any
 import jsonschema
 import pytest
 
+from agentd.engine.request import EngineRequest
+from agentd.engine.sampling_params import SamplingParams
 from agentd.llm import LLM
-from agentd.request import EngineRequest
-from agentd.sampling_params import SamplingParams
 from agentd.structured.params import FunctionSpec, StructuredOutputsParams, ToolCallsSpec
 
 NUM_SEEDS = 50

@@ -12,15 +12,15 @@ import pytest
 import torch
 
 from agentd.config import EngineConfig
-from agentd.engine import LLMEngine
+from agentd.engine.kv_sizing import resolve_kv_dtype
+from agentd.engine.llm_engine import LLMEngine
+from agentd.engine.request import EngineRequest
+from agentd.engine.sampling_params import SamplingParams
 from agentd.kernels.decode_attention import reference_decode_attention, torch_decode_attention
 from agentd.kernels.kv_write import reference_write_kv
 from agentd.kernels.prefill_attention import reference_prefill_attention, torch_prefill_attention
-from agentd.kv_sizing import resolve_kv_dtype
 from agentd.llm import LLM
-from agentd.pin_snapshots import SnapshotMismatch, read_snapshot, write_snapshot
-from agentd.request import EngineRequest
-from agentd.sampling_params import SamplingParams
+from agentd.pins.snapshots import SnapshotMismatch, read_snapshot, write_snapshot
 
 NARROW = [pytest.param(torch.float16, id="fp16"), pytest.param(torch.bfloat16, id="bf16")]
 BLOCK = 16

@@ -1,11 +1,11 @@
 """The KV pool's size and the context it allows, without ``--kv-cache-memory``.
 
-The rule (``agentd.kv_sizing``): room for ``max_model_len`` tokens for each of ``max_num_seqs``
-sequences within half the free memory (less the weights not yet resident); at least one whole
-sequence when that fits; when even one does not, the context is capped to what fits, logged with
-its numbers and reported in the stats; an explicit ``--max-model-len`` that does not fit is an
-error that says what to change; ``--kv-cache-memory`` sets the pool as before. The free memory is
-injected (a fake ``MemAvailable``), and the pool costs RSS only as it is written.
+The rule (``agentd.engine.kv_sizing``): room for ``max_model_len`` tokens for each of
+``max_num_seqs`` sequences within half the free memory (less the weights not yet resident); at least
+one whole sequence when that fits; when even one does not, the context is capped to what fits,
+logged with its numbers and reported in the stats; an explicit ``--max-model-len`` that does not fit
+is an error that says what to change; ``--kv-cache-memory`` sets the pool as before. The free memory
+is injected (a fake ``MemAvailable``), and the pool costs RSS only as it is written.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from agentd.config import EngineConfig
-from agentd.engine import LLMEngine
-from agentd.kv_sizing import FALLBACK_BUDGET_BYTES, KVRequest, plan_kv_cache
+from agentd.engine.kv_sizing import FALLBACK_BUDGET_BYTES, KVRequest, plan_kv_cache
+from agentd.engine.llm_engine import LLMEngine
 from agentd.llm import LLM
 
 GiB, MiB = 2**30, 2**20
@@ -143,8 +143,8 @@ def test_the_engine_sizes_for_every_sequence_and_keeps_an_explicit_pool(tiny) ->
 
 _POOL_RSS = """
 import sys, torch
-from agentd.kv_sizing import proc_status_bytes
-from agentd.runner import lazy_zeros
+from agentd.engine.kv_sizing import proc_status_bytes
+from agentd.engine.model_runner import lazy_zeros
 dtype = getattr(torch, sys.argv[1])
 before = proc_status_bytes("VmRSS")
 pool = lazy_zeros((2, 4096, 16, 8, 128), dtype, torch.device("cpu"))  # 256 or 512 MiB

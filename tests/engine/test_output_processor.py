@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import pytest
 
-from agentd.output_processor import (
+from agentd.engine.output_processor import (
     GRAMMAR_DEAD_END,
     Finish,
     OutputFacts,
     OutputProcessor,
     finish_for,
 )
-from agentd.request import Request, RequestStatus
-from agentd.sampling_params import SamplingParams
+from agentd.engine.request import Request, RequestStatus
+from agentd.engine.sampling_params import SamplingParams
 
 STOP = RequestStatus.FINISHED_STOPPED
 LENGTH = RequestStatus.FINISHED_LENGTH

@@ -16,12 +16,12 @@ import pytest
 import torch
 import transformers
 
+from agentd.engine.output_processor import OutputText
+from agentd.engine.outputs import RequestOutput
+from agentd.engine.request import EngineRequest, Request
+from agentd.engine.sampler import Sampler
+from agentd.engine.sampling_params import SamplingParams
 from agentd.llm import LLM
-from agentd.output_processor import OutputText
-from agentd.outputs import RequestOutput
-from agentd.request import EngineRequest, Request
-from agentd.sampler import Sampler
-from agentd.sampling_params import SamplingParams
 
 VOCAB = 49152
 MAX_TOKENS = 16

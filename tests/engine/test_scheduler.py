@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 import pytest
 
 from agentd.cache import KVCacheManager
-from agentd.output_processor import OutputProcessor
-from agentd.request import Request, RequestStatus
-from agentd.sampling_params import SamplingParams
-from agentd.scheduler import Scheduler, SchedulerOutput
+from agentd.engine.output_processor import OutputProcessor
+from agentd.engine.request import Request, RequestStatus
+from agentd.engine.sampling_params import SamplingParams
+from agentd.engine.scheduler import Scheduler, SchedulerOutput
 
 BLOCK_SIZE = 4
 EOS = 2
@@ -341,7 +341,7 @@ def test_finish_request_from_outside_frees_blocks_and_ignores_its_step_result() 
 @pytest.fixture
 def wait_for_two_blocks(monkeypatch) -> None:
     """Tests' prompts are short: wait for a running prefill from 2 blocks (8 tokens) up."""
-    from agentd import scheduler
+    from agentd.engine import scheduler
 
     monkeypatch.setattr(scheduler, "WAIT_FOR_TOKENS", 2 * BLOCK_SIZE)
 

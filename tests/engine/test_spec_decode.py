@@ -12,12 +12,12 @@ import torch
 from agentd.cache import KVCacheManager
 from agentd.cache.hashing import hash_blocks
 from agentd.config import SpeculativeConfig
-from agentd.output_processor import OutputProcessor
-from agentd.request import Request
-from agentd.sampler import Sampler
-from agentd.sampling_params import SamplingParams
-from agentd.scheduler import Scheduler, SchedulerOutput
-from agentd.spec_decode import NgramSpeculator, propose_ngram, verify
+from agentd.engine.output_processor import OutputProcessor
+from agentd.engine.request import Request
+from agentd.engine.sampler import Sampler
+from agentd.engine.sampling_params import SamplingParams
+from agentd.engine.scheduler import Scheduler, SchedulerOutput
+from agentd.engine.spec_decode import NgramSpeculator, propose_ngram, verify
 
 BLOCK_SIZE = 4
 VOCAB = 50

@@ -23,11 +23,11 @@ import torch
 import transformers
 
 from agentd.config import SpeculativeConfig
+from agentd.engine.model_runner import ModelRunner
+from agentd.engine.request import EngineRequest, Request
+from agentd.engine.sampling_params import SamplingParams
+from agentd.engine.spec_decode import Speculator
 from agentd.llm import LLM
-from agentd.request import EngineRequest, Request
-from agentd.runner import ModelRunner
-from agentd.sampling_params import SamplingParams
-from agentd.spec_decode import Speculator
 
 BLOCK_SIZE = 16
 NUM_DRAFT = 3
@@ -343,7 +343,7 @@ def test_sampled_drafts_keep_the_model_distribution(small_vocab_model: Path) -> 
 def test_a_constrained_requests_mask_finds_its_row_after_anothers_drafts(llama) -> None:
     """When a constrained request's row comes after a drafting request's rows in one step, its
     bitmask still lands on its own row."""
-    from agentd.spec_decode import can_speculate
+    from agentd.engine.spec_decode import can_speculate
     from agentd.structured.params import StructuredOutputsParams
 
     path, prompts, off = llama

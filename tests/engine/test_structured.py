@@ -9,9 +9,9 @@ import json
 import jsonschema
 import pytest
 
+from agentd.engine.request import EngineRequest
+from agentd.engine.sampling_params import SamplingParams
 from agentd.llm import LLM
-from agentd.request import EngineRequest
-from agentd.sampling_params import SamplingParams
 from agentd.structured.jump_forward import plan_jump
 from agentd.structured.params import FunctionSpec, StructuredOutputsParams, ToolCallsSpec
 

@@ -21,8 +21,8 @@ import httpx
 import pytest
 import torch
 
-from agentd.async_engine import AsyncEngine
 from agentd.config import EngineConfig
+from agentd.engine.async_engine import AsyncEngine
 from agentd.server.app import ServerSettings, create_app
 
 TINY_KV_BYTES = 8 * 2**20  # 1,024 blocks of 16 tokens for the tiny llama

@@ -16,11 +16,11 @@ from typing import Any
 import httpx
 import pytest
 
-from agentd.async_engine import AsyncEngine, EngineBusyError, EngineDeadError, RequestStream
 from agentd.config import EngineConfig
-from agentd.engine import LLMEngine
-from agentd.request import EngineRequest
-from agentd.sampling_params import SamplingParams
+from agentd.engine.async_engine import AsyncEngine, EngineBusyError, EngineDeadError, RequestStream
+from agentd.engine.llm_engine import LLMEngine
+from agentd.engine.request import EngineRequest
+from agentd.engine.sampling_params import SamplingParams
 from agentd.server.app import create_app
 
 LONG = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
@@ -304,7 +304,7 @@ def test_shutdown_during_a_long_step_still_answers_every_request(tiny, monkeypat
     import threading
     import time
 
-    from agentd.engine import LLMEngine as Engine
+    from agentd.engine.llm_engine import LLMEngine as Engine
     from agentd.server.serve import serve
     from agentd.server.settings import ServerSettings
 

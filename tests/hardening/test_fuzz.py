@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
-from agentd.async_engine import AsyncEngine
 from agentd.config import EngineConfig
-from agentd.engine import LLMEngine
+from agentd.engine.async_engine import AsyncEngine
+from agentd.engine.llm_engine import LLMEngine
 from agentd.server.app import create_app
 
 FUZZ_MAX_MODEL_LEN = 256  # bounds the longest generation a fuzzed max_tokens can ask for

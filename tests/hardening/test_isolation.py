@@ -23,9 +23,9 @@ import httpx
 import pytest
 from litestar.testing import TestClient
 
-from agentd.async_engine import AsyncEngine
 from agentd.config import EngineConfig
-from agentd.engine import LLMEngine
+from agentd.engine.async_engine import AsyncEngine
+from agentd.engine.llm_engine import LLMEngine
 from agentd.server.app import ServerSettings, create_app
 from agentd.server.auth import tenant_of
 

@@ -19,9 +19,9 @@ import httpx
 import psutil
 import pytest
 
-from agentd.async_engine import AsyncEngine
 from agentd.config import EngineConfig
-from agentd.engine import LLMEngine
+from agentd.engine.async_engine import AsyncEngine
+from agentd.engine.llm_engine import LLMEngine
 from agentd.server.app import ServerSettings, create_app
 
 USER = [{"role": "user", "content": "Tell me a long story about caches."}]

@@ -13,11 +13,11 @@ import torch
 import transformers
 
 from agentd.config import SpeculativeConfig
-from agentd.engine import LLMEngine
+from agentd.engine.llm_engine import LLMEngine
+from agentd.engine.request import EngineRequest
+from agentd.engine.sampling_params import SamplingParams
+from agentd.engine.spec_decode import Speculator
 from agentd.llm import LLM
-from agentd.request import EngineRequest
-from agentd.sampling_params import SamplingParams
-from agentd.spec_decode import Speculator
 
 pytestmark = pytest.mark.slow
 

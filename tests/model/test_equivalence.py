@@ -18,11 +18,11 @@ import pytest
 import torch
 import transformers
 
-from agentd.engine import LLMEngine
+from agentd.engine.llm_engine import LLMEngine
+from agentd.engine.model_runner import ModelRunner
+from agentd.engine.outputs import RequestOutput
+from agentd.engine.sampling_params import SamplingParams
 from agentd.llm import LLM
-from agentd.outputs import RequestOutput
-from agentd.runner import ModelRunner
-from agentd.sampling_params import SamplingParams
 
 ARCHITECTURES = ["llama", "qwen2", "qwen3", "mistral"]
 BLOCK_SIZE = 16

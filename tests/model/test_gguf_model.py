@@ -26,9 +26,11 @@ import transformers
 from torch import nn
 
 from agentd.config import EngineConfig
-from agentd.engine import LLMEngine
+from agentd.engine.kv_sizing import proc_status_bytes
+from agentd.engine.llm_engine import LLMEngine
+from agentd.engine.request import EngineRequest
+from agentd.engine.sampling_params import SamplingParams
 from agentd.kernels import cpu as ggml
-from agentd.kv_sizing import proc_status_bytes
 from agentd.llm import LLM
 from agentd.model import default_model, gguf_convert
 from agentd.model.build import LoadedModel, eos_token_ids
@@ -45,8 +47,6 @@ from agentd.model.loader import (
     resolve_model,
 )
 from agentd.model.synth import SHAPES, write_synth_gguf
-from agentd.request import EngineRequest
-from agentd.sampling_params import SamplingParams
 
 QT = gguf.GGMLQuantizationType
 POOL_BYTES = 16 * 2**20

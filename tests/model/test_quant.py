@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from agentd.config import EngineConfig
+from agentd.engine.sampling_params import SamplingParams
 from agentd.llm import LLM
 from agentd.model.dispatch import ACCURATE_FORMATS, calibrate
 from agentd.model.gguf_groups import int4_groups, read_int4_groups
@@ -27,7 +28,6 @@ from agentd.model.quant import (
     make_linear,
     quantize_int4,
 )
-from agentd.sampling_params import SamplingParams
 
 OUT, IN = 128, 256
 

@@ -30,10 +30,10 @@ import pytest
 import torch
 import transformers
 
+from agentd.engine.sampling_params import SamplingParams
 from agentd.llm import LLM
 from agentd.model.dispatch import ACCURATE_FORMATS, WEIGHT_FORMATS
 from agentd.model.quant import LowPrecisionLinear
-from agentd.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.slow
 

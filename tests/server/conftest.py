@@ -37,8 +37,8 @@ def wait_idle() -> IdleWaiter:
 @pytest.fixture(scope="module")
 def tiny(tiny_model_factory) -> Iterator[Any]:
     """(config, started AsyncEngine) for a tiny random Llama with the SmolLM2 tokenizer."""
-    from agentd.async_engine import AsyncEngine
     from agentd.config import EngineConfig
+    from agentd.engine.async_engine import AsyncEngine
 
     path = tiny_model_factory("llama")
     config = EngineConfig(model=str(path), kv_cache_memory_bytes=8 * 2**20)

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from agentd.cache import blocks_digest
-from agentd.kv_events import END_SEQ, WireAllBlocksCleared, WireBlockStored, decode_batch
+from agentd.engine.kv_publisher import END_SEQ, WireAllBlocksCleared, WireBlockStored, decode_batch
 
 zmq = pytest.importorskip("zmq", reason="KV events need pyzmq: pip install 'agentd[cluster]'")
 pytestmark = pytest.mark.slow

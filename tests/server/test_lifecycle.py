@@ -13,8 +13,8 @@ import httpx
 import pytest
 from litestar.testing import TestClient
 
-from agentd.async_engine import AsyncEngine
 from agentd.config import EngineConfig
+from agentd.engine.async_engine import AsyncEngine
 from agentd.server.app import create_app
 
 LOCAL = "http://127.0.0.1"  # a Host header the daemon answers to (testserver.local is not)

@@ -18,8 +18,8 @@ import pytest
 from litestar.testing import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from agentd.async_engine import AsyncEngine
 from agentd.config import EngineConfig
+from agentd.engine.async_engine import AsyncEngine
 from agentd.server.app import create_app
 from agentd.server.settings import ServerSettings
 

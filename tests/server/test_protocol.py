@@ -9,34 +9,34 @@ import msgspec
 import pytest
 
 from agentd.server.errors import RequestValidationError, error_body
-from agentd.server.wires.checks import decode_request, validate_prompt_len
-from agentd.server.wires.openai_chat import (
+from agentd.server.wires.chat_plan import (
     to_sampling_params,
     to_template_inputs,
     validate_chat_request,
 )
-from agentd.server.wires.openai_completions import validate_completion_request
-from agentd.server.wires.openai_types import (
+from agentd.server.wires.chat_types import (
     ChatCompletion,
     ChatCompletionChoice,
     ChatCompletionChunk,
     ChatCompletionChunkChoice,
     ChatCompletionMessage,
     ChatCompletionRequest,
-    Completion,
-    CompletionChoice,
-    CompletionChunk,
-    CompletionRequest,
     DeltaFunctionCall,
     DeltaMessage,
     DeltaToolCall,
     FunctionCall,
-    ModelCard,
-    ModelList,
     ToolCall,
     ToolChoiceNamed,
-    Usage,
 )
+from agentd.server.wires.checks import decode_request, validate_prompt_len
+from agentd.server.wires.completions_plan import validate_completion_request
+from agentd.server.wires.completions_types import (
+    Completion,
+    CompletionChoice,
+    CompletionChunk,
+    CompletionRequest,
+)
+from agentd.server.wires.openai_types import ModelCard, ModelList, Usage
 
 MAX_MODEL_LEN = 2048
 
@@ -430,7 +430,7 @@ def test_model_list_and_error_shapes() -> None:
 def test_template_inputs_keep_the_tool_type_and_drop_unset_fields() -> None:
     """Templates see tools as OpenAI sent them: ``{"type": "function", "function": {...}}``
     (the default ``type`` once vanished through omit_defaults), unset optional fields absent."""
-    from agentd.server.wires.openai_chat import to_template_inputs
+    from agentd.server.wires.chat_plan import to_template_inputs
 
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}],
             "tools": [{"function": {"name": "f", "parameters": {"type": "object"}}}]}

@@ -17,11 +17,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from rich.console import Console
 
 from agentd.cli.stats import render
-from agentd.near_miss import CLAUDE_CODE_FIX, CLAUDE_CODE_HEADER
-from agentd.request import EngineRequest, RetentionRequest
-from agentd.server.retention import cache_usage
-from agentd.server.wires.openai_chat import plan_chat
-from agentd.server.wires.openai_types import ChatCompletionRequest
+from agentd.engine.request import EngineRequest, RetentionRequest
+from agentd.pins.near_miss import CLAUDE_CODE_FIX, CLAUDE_CODE_HEADER
+from agentd.server.wires.cache_control import cache_usage
+from agentd.server.wires.chat_plan import plan_chat
+from agentd.server.wires.chat_types import ChatCompletionRequest
 from agentd.server.wires.plan import prewarm, prewarm_params
 
 SYSTEM = ("You are a careful research assistant. Cite sources, say what you do not know, and "

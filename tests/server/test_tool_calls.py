@@ -12,9 +12,9 @@ import msgspec
 import pytest
 from litestar.testing import TestClient
 
-from agentd.server.tool_calls import ToolCallAssembler, ToolMode
-from agentd.server.wires.openai_chat import plan_chat
-from agentd.server.wires.openai_types import ChatCompletionRequest
+from agentd.server.wires.chat_plan import plan_chat
+from agentd.server.wires.chat_types import ChatCompletionRequest
+from agentd.server.wires.tool_calls import ToolCallAssembler, ToolMode
 
 UNITS = {"type": "object", "properties": {"unit": {"enum": ["c", "f"]}, "ok": {"type": "boolean"}},
          "required": ["unit", "ok"], "additionalProperties": False}

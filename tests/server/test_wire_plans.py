@@ -12,11 +12,11 @@ from typing import Any
 import msgspec
 import pytest
 
-from agentd.server.wires.anthropic_messages import MessagesRequest
+from agentd.server.response_store import ResponseStore, StoredResponse
 from agentd.server.wires.messages_plan import plan_messages
-from agentd.server.wires.openai_responses import ResponsesRequest
-from agentd.server.wires.response_store import ResponseStore, StoredResponse
+from agentd.server.wires.messages_types import MessagesRequest
 from agentd.server.wires.responses_plan import plan_responses
+from agentd.server.wires.responses_types import ResponsesRequest
 
 TOOL = {"name": "get_weather", "description": "Weather.", "input_schema": {
     "type": "object", "properties": {"city": {"type": "string"}}}}

@@ -19,26 +19,26 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from agentd.outputs import StreamDelta
-from agentd.request import EngineRequest, RetentionRequest
-from agentd.sampling_params import SamplingParams
+from agentd.engine.outputs import StreamDelta
+from agentd.engine.request import EngineRequest, RetentionRequest
+from agentd.engine.sampling_params import SamplingParams
 from agentd.server.auth import cache_tenant
-from agentd.server.constraints import Constraint, compile_constraint
-from agentd.server.serving import (
+from agentd.server.wires.checks import validate_prompt_len
+from agentd.server.wires.constraints import Constraint, compile_constraint
+from agentd.server.wires.reply_events import Event, events
+from agentd.server.wires.serving import (
     collect,
     effective_cache_salt,
     event_stream,
     submit,
     until_disconnect,
 )
-from agentd.server.tool_calls import ToolMode
-from agentd.server.wires.checks import validate_prompt_len
-from agentd.server.wires.events import Event, events
+from agentd.server.wires.tool_calls import ToolMode
 
 if TYPE_CHECKING:
     from litestar import Request
 
-    from agentd.request_stream import RequestStream
+    from agentd.engine.request_stream import RequestStream
     from agentd.server.state import ServerState
 
 

@@ -1,4 +1,5 @@
-"""The Responses API's reply objects (msgspec Structs encoded exactly as OpenAI's).
+"""The Responses API's types (msgspec Structs): the request as it decodes (``ResponsesRequest``)
+and the reply objects, encoded exactly as OpenAI's.
 
 Invariant: a ``Response`` carries every field the official SDK reads — ``output`` items of type
 ``message`` (``output_text`` parts) and ``function_call``, ``status`` and
@@ -11,6 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+
+from agentd.server.wires.openai_types import PromptCacheOptions
 
 
 class OutputText(msgspec.Struct, kw_only=True):
@@ -91,3 +94,50 @@ class DeletedResponse(msgspec.Struct, kw_only=True):
     id: str
     object: str = "response.deleted"
     deleted: bool = True
+
+
+class TextFormat(msgspec.Struct, kw_only=True):
+    type: str
+    name: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
+    description: str | None = None
+
+
+class TextConfig(msgspec.Struct, kw_only=True):
+    format: TextFormat | None = None
+    verbosity: str | None = None
+
+
+class ResponsesRequest(msgspec.Struct, kw_only=True):
+    input: str | list[dict[str, Any]] | None = None
+    model: str | None = None
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    text: TextConfig | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    prompt_cache_options: PromptCacheOptions | None = None
+    truncation: str | None = None
+    include: list[str] | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    stream_options: dict[str, Any] | None = None
+    background: bool | None = None
+    conversation: Any = None
+    prompt: Any = None
+    max_tool_calls: int | None = None
+    top_logprobs: int | None = None
+    reasoning: dict[str, Any] | None = None
+    cache_salt: str | None = None  # vLLM extension, as on chat
+    ignore_eos: bool = False  # vLLM extension, as on chat

@@ -98,9 +98,9 @@ def run_one(engine: LLMEngine, prompt_ids: list[int], max_tokens: int) -> tuple[
     after = engine.stats()
     return tokens, Timing(
         num_tokens=len(tokens), decode_s=last - first, total_s=last - start,
-        num_steps=after.num_steps - before.num_steps,
-        num_draft_tokens=after.spec_num_draft_tokens - before.spec_num_draft_tokens,
-        num_accepted_tokens=after.spec_num_accepted_tokens - before.spec_num_accepted_tokens)
+        num_steps=after.totals.num_steps - before.totals.num_steps,
+        num_draft_tokens=after.spec.num_draft_tokens - before.spec.num_draft_tokens,
+        num_accepted_tokens=after.spec.num_accepted_tokens - before.spec.num_accepted_tokens)
 
 
 def workload_prompts(name: str, tokenizer, num_requests: int) -> list[list[int]]:

@@ -5,12 +5,11 @@ Invariant: this package imports only the standard library and xxhash.
 
 from __future__ import annotations
 
-from .block_pool import BlockPool, FreeBlockQueue, KVBlock, NoFreeBlocksError
+from .block_pool import BlockPool, FreeBlockQueue, KVBlock, NoFreeBlocksError, PoolStats
 from .hashing import BlockHash, hash_block, hash_blocks
 from .holders import (
     CONVERSATION,
     PIN,
-    PIN_PREFILL,
     REQUEST,
     RETAINED,
     BlockHolders,
@@ -31,6 +30,7 @@ from .kv_events import (
 from .pins import (
     Pin,
     PinBudgetError,
+    PinCounts,
     PinError,
     PinExistsError,
     PinKey,
@@ -53,7 +53,6 @@ __all__ = [
     "replay",
     "CONVERSATION",
     "PIN",
-    "PIN_PREFILL",
     "REQUEST",
     "RETAINED",
     "BlockHash",
@@ -66,9 +65,11 @@ __all__ = [
     "KVCopy",
     "KeptTail",
     "NoFreeBlocksError",
+    "PoolStats",
     "Owner",
     "Pin",
     "PinBudgetError",
+    "PinCounts",
     "PinError",
     "PinExistsError",
     "PinKey",

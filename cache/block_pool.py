@@ -127,6 +127,17 @@ class FreeBlockQueue:
         assert num_seen == self._num_blocks, f"free queue: length {self._num_blocks} != {num_seen}"
 
 
+@dataclass(frozen=True)
+class PoolStats:
+    """The pool's blocks by state, copied at one moment (free + cached + used = total)."""
+
+    num_blocks_total: int
+    num_blocks_free: int  # free and holding nothing the prefix cache can hit
+    num_blocks_cached: int  # free but hashed: a hit until evicted
+    num_blocks_used: int  # referenced (requests, pins, retained prefixes, tails)
+    kv_cache_usage: float  # used / total
+
+
 class BlockPool:
     """Owns the blocks, the free queue and the hash -> block map of cached full blocks."""
 
@@ -165,6 +176,10 @@ class BlockPool:
     def usage(self) -> float:
         """Fraction of blocks in use, in [0, 1]."""
         return self.num_used / self.num_blocks
+
+    def stats(self) -> PoolStats:
+        return PoolStats(self.num_blocks, self.num_free - self.num_cached_free,
+                         self.num_cached_free, self.num_used, self.usage)
 
     def ref_cnt(self, block_id: int) -> int:
         return self._blocks[block_id].ref_cnt

@@ -1,7 +1,7 @@
 """Who holds the references on blocks: one owner -> blocks map for every kind of holder.
 
 A reference is held by an owner: a request's block table, a pin, a retained prefix, a kept
-partial block (a pin prefill's tail, a stored conversation's). Holding is touching, releasing is
+partial block (a stored conversation's). Holding is touching, releasing is
 freeing (last block first, so a prefix's most specific block is evicted first); the pool only
 counts, this map says who. Design §9: retention is one mechanism, this is it.
 
@@ -19,7 +19,6 @@ from .block_pool import BlockPool
 
 REQUEST = "request"  # a live request's block table (the cache manager's)
 PIN = "pin"  # a pin's full blocks and its tail block (key: its PinKey)
-PIN_PREFILL = "pin-prefill"  # a pin's tail, prefilled, until the pin is registered
 RETAINED = "retained"  # a retained prefix (key: the hash of its last block)
 CONVERSATION = "conversation"  # a stored conversation's last partial block (key: request id)
 

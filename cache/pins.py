@@ -115,6 +115,17 @@ class Pin:
         return len(self.held_block_ids)
 
 
+@dataclass(frozen=True)
+class PinCounts:
+    """What pins and retained prefixes hold, copied at one moment."""
+
+    num_pins: int
+    num_blocks_pinned: int
+    num_retained: int  # prefixes held by cache control (retention), not by name
+    num_blocks_retained: int  # blocks they hold that no pin holds too
+    num_retained_displaced: int  # decayed early: the pin budget needed room
+
+
 class PinRegistry:
     def __init__(self, kv_cache: KVCacheManager, max_pinned_blocks: int) -> None:
         self.kv_cache = kv_cache
@@ -156,6 +167,10 @@ class PinRegistry:
     def num_held_blocks(self) -> int:
         """Distinct blocks held by pins or retained prefixes: what the budget bounds."""
         return self.num_pinned_blocks + self.num_retained_blocks
+
+    def counts(self) -> PinCounts:
+        return PinCounts(len(self), self.num_pinned_blocks, len(self.retained),
+                        self.num_retained_blocks, self.num_retained_displaced)
 
     def check_can_add(self, key: PinKey | str, block_ids: Sequence[int] | None = None,
                       num_blocks: int = 0) -> None:

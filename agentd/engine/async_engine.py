@@ -22,13 +22,16 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from agentd.cache import REQUEST, blocks_digest
+import torch
+
+from agentd.cache import REQUEST, Pin, PinKey, blocks_digest
 from agentd.config import EngineConfig
 from agentd.engine.llm_engine import EngineStats, LLMEngine
 from agentd.engine.outputs import StreamDelta
 from agentd.engine.request import EngineRequest, check_prompt
 from agentd.engine.request_stream import RequestStream
-from agentd.pins.manager import PinResult, PinSummary
+from agentd.pins.manager import PinSummary
+from agentd.pins.pin_request import PinRequest, PinResult
 from agentd.structured.params import StructuredOutputsParams
 
 logger = logging.getLogger("agentd")
@@ -226,39 +229,56 @@ class AsyncEngine:
         if abort:
             self.abort(request_id)
 
-    async def run_pin(self, name: str, token_ids: list[int], ttl_s: float | None,
-                      meta: dict[str, Any], owner: str | None = None,
-                      cache_salt: str | None = None) -> PinResult:
-        """Prefill and pin a prefix in ``owner``'s name space, hashed with ``cache_salt``;
-        returns the engine's PinResult (raises PinError early)."""
+    async def run_pin(self, pin: PinRequest) -> PinResult:
+        """Prefill and pin ``pin``; returns how its registration ended (raises PinError early,
+        with nothing queued). Cancelled, it leaves nothing: no prefill, no pin."""
         self._check_alive()
         stream = self._open_stream(f"pin-{uuid.uuid4().hex}")
         request_id = stream.request_id
-
-        def undo() -> None:
-            """A cancelled registration leaves nothing: no prefill, no result, no pin."""
-            self.engine.abort_request(request_id)
-            result = self.engine.pin_results.pop(request_id, None)
-            if result is not None and result.pin is not None:
-                self.engine.unpin(result.pin.key)
-
         try:
-            await self.call(lambda e: e.add_pin(name, token_ids, ttl_s, meta, request_id, owner,
-                                                cache_salt))
+            await self.call(lambda e: e.add_pin(pin, request_id))
         except asyncio.CancelledError:
             stream._end(abort=False)
-            self._commands.put(undo)  # add_pin may still run: undo it right after
+            self._commands.put(lambda: self.engine.cancel_pin(request_id, pin.key))
             raise
         except BaseException:
             stream._end(abort=False)  # add_pin refused: nothing was queued
             raise
         try:
-            async for _ in stream:
-                pass
-            return await self.call(lambda e: e.pin_results.pop(request_id))
+            async for delta in stream:
+                if delta.finished:
+                    assert delta.pin_result is not None
+                    return delta.pin_result
+            raise EngineDeadError("the pin's prefill ended without a result")
         except asyncio.CancelledError:
-            self._commands.put(undo)
+            self._commands.put(lambda: self.engine.cancel_pin(request_id, pin.key))
             raise
+
+    # --- pins, read and changed on the engine thread ---------------------------------------
+    async def list_pins(self) -> list[Pin]:
+        return await self.call(LLMEngine.list_pins)
+
+    async def get_pin(self, key: PinKey | str) -> Pin:
+        """Raises PinNotFoundError."""
+        return await self.call(lambda e: e.get_pin(key))
+
+    async def unpin(self, key: PinKey | str) -> None:
+        """Raises PinNotFoundError."""
+        await self.call(lambda e: e.unpin(key))
+
+    async def take_expired_pins(self) -> list[PinKey]:
+        return await self.call(LLMEngine.take_expired_pins)
+
+    async def restore_pin(self, pin: PinRequest, payload: dict[str, Any]) -> PinResult:
+        """See ``LLMEngine.restore_pin``."""
+        return await self.call(lambda e: e.restore_pin(pin, payload))
+
+    async def gather_pin_snapshot(self, key: PinKey) -> dict[str, Any]:
+        """The pin's KV copied (between steps) into a buffer allocated off the engine thread,
+        with what identifies it; raises PinNotFoundError."""
+        shape, dtype = await self.call(lambda e: e.pin_snapshot_shape(key))
+        buffer = await asyncio.to_thread(torch.zeros, shape, dtype=dtype)  # touch its pages
+        return await self.call(lambda e: e.gather_pin_snapshot(key, buffer))
 
     def abort(self, request_id: str) -> None:
         self._commands.put(lambda: self.engine.abort_request(request_id))
@@ -305,9 +325,9 @@ class AsyncEngine:
             stats = engine.stats()
             hashed = engine.kv_cache.pool.hashed_blocks()
             return IntegrityReport(ok=error is None, error=error,
-                                   num_blocks_used=stats.num_blocks_used,
-                                   num_blocks_pinned=stats.num_blocks_pinned,
-                                   num_blocks_retained=stats.num_blocks_retained,
+                                   num_blocks_used=stats.pool.num_blocks_used,
+                                   num_blocks_pinned=stats.pins.num_blocks_pinned,
+                                   num_blocks_retained=stats.pins.num_blocks_retained,
                                    num_requests=len(engine.scheduler.requests),
                                    num_streams=len(self._streams),
                                    num_hashed_blocks=len(hashed),
@@ -398,7 +418,7 @@ class AsyncEngine:
 def _check_references(engine: LLMEngine) -> None:
     """Raise AssertionError unless the pool is sound, each block's ref count equals the number
     of its holders (``kv_cache.holders``: requests' block tables, pins with their tail blocks,
-    pin prefills' tails, retained prefixes, kept conversation tails), and every block table
+    retained prefixes, kept conversation tails), and every block table
     held belongs to a request the scheduler still runs or waits on."""
     kv_cache = engine.kv_cache
     kv_cache.pool.check_integrity()

@@ -17,19 +17,21 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from agentd.cache import CONVERSATION, KeptTail, KVCacheManager, Owner
+from agentd.engine.hooks import RequestHooks
+from agentd.engine.outputs import StreamDelta
 from agentd.engine.request import Request, RequestStatus
 from agentd.engine.scheduler import ScheduledRequest
 
 _KEPT_STATUSES = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH)
 
 
-class TailKeeper:
-    """The tails of finished requests that asked to keep theirs, by request id."""
+class TailKeeper(RequestHooks):
+    """The tails of finished requests that asked to keep theirs (``Request.keep_tail``), by
+    request id."""
 
     def __init__(self, kv_cache: KVCacheManager, max_tails: int) -> None:
         self.kv_cache = kv_cache
         self.max_tails = max(1, max_tails)
-        self._wanted: set[str] = set()
         self._kept: set[Owner] = set()
 
     def __len__(self) -> int:
@@ -40,17 +42,12 @@ class TailKeeper:
         """The requests whose tails are kept."""
         return [str(owner.key) for owner in self._kept]
 
-    def want(self, request_id: str) -> None:
-        """Keep ``request_id``'s tail when it finishes (stopped or cut by length)."""
-        self._wanted.add(request_id)
-
-    def on_finished(self, request: Request, item: ScheduledRequest | None) -> None:
-        """Called for each request that finished this step, its blocks freed just now and
-        nothing allocated since: take back the partial block that holds its computed tail."""
-        if request.request_id not in self._wanted:
-            return
-        self._wanted.discard(request.request_id)
-        if item is None or request.status not in _KEPT_STATUSES:
+    def finished(self, request: Request, item: ScheduledRequest | None,
+                 delta: StreamDelta) -> None:
+        """A request that asked to keep its tail finished (stopped or cut by length), its blocks
+        freed just now and nothing allocated since: take back the partial block that holds its
+        computed tail."""
+        if not request.keep_tail or item is None or request.status not in _KEPT_STATUSES:
             return
         block_size = self.kv_cache.block_size
         num_full, num_tail = divmod(request.num_computed_tokens, block_size)
@@ -72,10 +69,6 @@ class TailKeeper:
             oldest = self.kv_cache.tails.least_recently_used(self._kept)
             assert oldest is not None
             self.release(oldest.key)
-
-    def forget(self, request_id: str) -> None:
-        """The request ended without a tail to keep (aborted, failed)."""
-        self._wanted.discard(request_id)
 
     def release(self, request_id: str) -> None:
         """Drop ``request_id``'s tail (idempotent): its block returns to the free queue."""

@@ -6,17 +6,26 @@ its numbers (model context, bytes per token, budget), which the engine logs and 
 stats: a cap is never silent. With ``--kv-cache-memory`` unset the pool holds ``max_model_len``
 tokens for each of ``max_num_seqs`` sequences, within ``RAM_FRACTION`` of the memory free at
 start, and never less than one ``max_model_len`` sequence when that fits the budget.
+``plan_pool`` applies the rule to a loaded model (``load_timed`` loads it and says how much of
+its weights is not resident yet, which the budget leaves room for).
 """
 
 from __future__ import annotations
 
 import hashlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from agentd.config import EngineConfig
+    from agentd.model.build import LoadedModel
+    from agentd.model.llama import ModelDims
 
 logger = logging.getLogger("agentd")
 
@@ -221,3 +230,46 @@ def kv_fingerprint(model_fingerprint: str, activation_dtype: torch.dtype,
         return model_fingerprint  # as before KV dtypes existed: older snapshots still match
     blob = f"{model_fingerprint}+kv-{dtype_name(kv_dtype)}".encode()
     return hashlib.blake2b(blob, digest_size=16).hexdigest()
+
+
+def model_len(dims: ModelDims) -> int:
+    """The longest context the model attends over (full attention equals a sliding window up
+    to the window's length, not past it)."""
+    if dims.sliding_window is not None:
+        return min(dims.max_position_embeddings, dims.sliding_window)
+    return dims.max_position_embeddings
+
+
+def plan_pool(config: EngineConfig, loaded: LoadedModel, kv_dtype: torch.dtype,
+              kv_bytes_per_block: int, memory_probe: MemoryProbe, unresident: int) -> KVPlan:
+    """The KV pool's size for ``loaded``: from ``--kv-cache-memory``, else from the free
+    memory (``unresident``: what ``load_timed`` found of the weights not yet in RAM)."""
+    free_bytes = memory_probe(loaded.device) if config.kv_cache_memory_bytes is None else None
+    return plan_kv_cache(KVRequest(
+        dtype_name(kv_dtype), config.block_size, kv_bytes_per_block,
+        model_len(loaded.model.dims), config.max_num_seqs, config.max_model_len,
+        config.kv_cache_memory_bytes), free_bytes, unresident)
+
+
+def log_plan(plan: KVPlan, backend_name: str) -> None:
+    if plan.cap_reason is not None:
+        logger.warning("max_model_len %d, below the model's %d: %s", plan.max_model_len,
+                       plan.model_len, plan.cap_reason)
+    logger.info("%s; attention backend %s", plan.describe(), backend_name)
+
+
+def load_timed(config: EngineConfig) -> tuple[LoadedModel, float, int]:
+    """Load the model; also how long it took and, on the CPU, how many of its weights' bytes
+    are not in anonymous memory (memory-mapped, or never touched): ``MemAvailable`` counts those
+    as free, yet they take memory once decode reads them. (A GPU's free memory already excludes
+    the weights on it.)"""
+    anon_before = proc_status_bytes("RssAnon") or 0
+    start = time.perf_counter()
+    from agentd.model.build import load_model  # the model's code, only when loading one
+
+    loaded = load_model(config)
+    load_s = time.perf_counter() - start
+    if loaded.device.type != "cpu":
+        return loaded, load_s, 0
+    grown = max((proc_status_bytes("RssAnon") or 0) - anon_before, 0)
+    return loaded, load_s, max(tensor_bytes(loaded.model) - grown, 0)

@@ -4,39 +4,41 @@ A step is schedule -> run -> process, as nano-vllm and vLLM v1 do it: the schedu
 rows and the KV copies they need (:mod:`agentd.engine.scheduler`), the runner copies and runs one
 forward (:mod:`agentd.engine.model_runner`), the sampler draws under the output constraints, the
 output processor appends the tokens and decides who finished
-(:mod:`agentd.engine.output_processor`), and the scheduler then caches and frees blocks.
+(:mod:`agentd.engine.output_processor`), and the scheduler then caches and frees blocks. What
+else a request's life touches (its grammar, retention, kept tail, pin, generator, drafts) is the
+components' hooks (:mod:`agentd.engine.hooks`), called in the order of ``LLMEngine.hooks``.
 ``docs/lifecycle.md`` follows one request through it.
 
 Invariant: every request added ends with exactly one delta whose ``finish_reason`` is set, and by
-then its blocks are back in the pool. Not thread-safe: :mod:`agentd.engine.async_engine` drives it
-from one thread.
+then its blocks are back in the pool. Not thread-safe: :mod:`agentd.engine.async_engine` drives
+it from one thread.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
-from agentd.cache import KVCacheManager, PinKey
+from agentd.cache import KVCacheManager, Pin, PinCounts, PinKey, PoolStats
 from agentd.config import EngineConfig
 from agentd.engine.conversation_tails import TailKeeper
+from agentd.engine.hooks import RequestHooks
 from agentd.engine.kv_publisher import KVEventPublisher, open_kv_events
 from agentd.engine.kv_sizing import (
     KVPlan,
-    KVRequest,
     MemoryProbe,
-    dtype_name,
     free_memory_bytes,
     kv_fingerprint,
-    plan_kv_cache,
-    proc_status_bytes,
+    load_timed,
+    log_plan,
+    plan_pool,
     resolve_kv_dtype,
-    tensor_bytes,
 )
 from agentd.engine.model_runner import ModelRunner
 from agentd.engine.output_processor import OutputProcessor
@@ -51,12 +53,12 @@ from agentd.engine.request import (
 from agentd.engine.retention import Retained, RetentionManager
 from agentd.engine.sampler import Sampler
 from agentd.engine.sampling_params import SamplingParams
-from agentd.engine.scheduler import ScheduledRequest, Scheduler
-from agentd.engine.spec_decode import make_speculator
+from agentd.engine.scheduler import ScheduledRequest, Scheduler, SchedulerStats
+from agentd.engine.spec_decode import SpecStats, make_speculator
 from agentd.kernels import get_attention_backend
-from agentd.model.build import LoadedModel, load_model
-from agentd.model.llama import ModelDims
-from agentd.pins.manager import PendingPin, PinManager, PinResult
+from agentd.model.build import LoadedModel
+from agentd.pins.manager import PinManager, PinResult
+from agentd.pins.pin_request import PinRequest
 from agentd.pins.snapshots import gather_snapshot, snapshot_shape
 from agentd.structured.compiler import GrammarCompiler
 from agentd.structured.matchers import StructuredOutputs
@@ -66,82 +68,53 @@ DOES_NOT_FIT = "the request does not fit in the KV cache pool"
 
 
 @dataclass
+class EngineTotals:
+    """The engine's own running counts since start."""
+
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    num_requests_finished: int = 0
+    num_steps: int = 0
+    num_model_tokens: int = 0  # tokens that actually went through the model (prefill + decode)
+
+
+@dataclass(frozen=True)
 class EngineStats:
+    """The engine's numbers after a step, each part copied from the component that keeps it;
+    ``flat()`` is the one-level mapping ``/v1/stats`` and ``/metrics`` publish."""
+
     num_requests_running: int
     num_requests_waiting: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    num_preemptions: int
-    num_blocks_total: int
-    num_blocks_free: int
-    num_blocks_cached: int
-    num_blocks_used: int
-    kv_cache_usage: float
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    num_requests_finished: int
-    num_steps: int
-    num_model_tokens: int  # tokens that actually went through the model (prefill + decode)
-    num_blocks_pinned: int
-    num_pins: int
+    totals: EngineTotals
+    scheduler: SchedulerStats  # prefix-cache queries and hits, preemptions
+    pool: PoolStats
+    pins: PinCounts  # pinned and retained blocks
+    spec: SpecStats
+    num_retained_expired: int = 0  # retained prefixes decayed at their TTL
     num_jump_forward_tokens: int = 0  # output tokens a grammar forced, appended without a step
-    num_retained: int = 0  # prefixes held by cache control (retention), not by name
-    num_blocks_retained: int = 0  # blocks they hold that no pin holds too
-    num_retained_expired: int = 0  # decayed at their TTL
-    num_retained_displaced: int = 0  # decayed early: the pin budget needed room
-    spec_num_drafts: int = 0  # request-steps that verified draft tokens
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
     num_tail_blocks: int = 0  # stored conversations' last partial blocks (conversation_tails)
     kv_cache: KVPlan | None = None  # the pool's dtype and size, the context and any cap reason
     load_s: float | None = None  # how long loading the model took (None: it was handed in)
 
-
-def _model_len(dims: ModelDims) -> int:
-    """The longest context the model attends over (full attention equals a sliding window up
-    to the window's length, not past it)."""
-    if dims.sliding_window is not None:
-        return min(dims.max_position_embeddings, dims.sliding_window)
-    return dims.max_position_embeddings
+    def flat(self) -> dict[str, Any]:
+        """Every number under one name (speculation's prefixed ``spec_``); ``kv_cache`` as a
+        dict."""
+        out: dict[str, Any] = {"num_requests_running": self.num_requests_running,
+                               "num_requests_waiting": self.num_requests_waiting}
+        for part in (self.totals, self.scheduler, self.pool, self.pins):
+            out.update(dataclasses.asdict(part))
+        out.update({f"spec_{k}": v for k, v in dataclasses.asdict(self.spec).items()})
+        out.update(num_retained_expired=self.num_retained_expired,
+                   num_jump_forward_tokens=self.num_jump_forward_tokens,
+                   num_tail_blocks=self.num_tail_blocks,
+                   kv_cache=None if self.kv_cache is None else dataclasses.asdict(self.kv_cache),
+                   load_s=self.load_s)
+        return out
 
 
 class _Sampled(NamedTuple):
     token_ids: dict[str, list[int]]  # per sampling request: accepted drafts, then its token
     dead_ends: set[str]  # constrained requests whose grammar allowed no token
-
-
-def _plan_pool(config: EngineConfig, loaded: LoadedModel, kv_dtype: torch.dtype,
-               memory_probe: MemoryProbe, unresident: int) -> KVPlan:
-    """The KV pool's size: from ``--kv-cache-memory``, else from the free memory."""
-    free_bytes = memory_probe(loaded.device) if config.kv_cache_memory_bytes is None else None
-    model = loaded.model
-    return plan_kv_cache(KVRequest(
-        dtype_name(kv_dtype), config.block_size,
-        ModelRunner.kv_bytes_per_block(model, config.block_size, kv_dtype),
-        _model_len(model.dims), config.max_num_seqs, config.max_model_len,
-        config.kv_cache_memory_bytes), free_bytes, unresident)
-
-
-def _log_plan(plan: KVPlan, backend_name: str) -> None:
-    if plan.cap_reason is not None:
-        logger.warning("max_model_len %d, below the model's %d: %s", plan.max_model_len,
-                       plan.model_len, plan.cap_reason)
-    logger.info("%s; attention backend %s", plan.describe(), backend_name)
-
-
-def _load_timed(config: EngineConfig) -> tuple[LoadedModel, float, int]:
-    """Load the model; also how long it took and, on the CPU, how many of its weights' bytes
-    are not in anonymous memory (memory-mapped, or never touched): ``MemAvailable`` counts those
-    as free, yet they take memory once decode reads them. (A GPU's free memory already excludes
-    the weights on it.)"""
-    anon_before = proc_status_bytes("RssAnon") or 0
-    start = time.perf_counter()
-    loaded = load_model(config)
-    load_s = time.perf_counter() - start
-    if loaded.device.type != "cpu":
-        return loaded, load_s, 0
-    grown = max((proc_status_bytes("RssAnon") or 0) - anon_before, 0)
-    return loaded, load_s, max(tensor_bytes(loaded.model) - grown, 0)
 
 
 class LLMEngine:
@@ -153,7 +126,7 @@ class LLMEngine:
         self.load_s: float | None = None  # how long load_model took here (None: handed one)
         unresident = 0
         if loaded is None:
-            loaded, self.load_s, unresident = _load_timed(config)
+            loaded, self.load_s, unresident = load_timed(config)
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.files.name
@@ -162,7 +135,10 @@ class LLMEngine:
                                     loaded.device)
         # The pool's content is keyed by what produced it, its dtype included.
         self.fingerprint = kv_fingerprint(loaded.fingerprint, loaded.dtype, kv_dtype)
-        self.kv_plan = _plan_pool(config, loaded, kv_dtype, memory_probe, unresident)
+        self.kv_plan = plan_pool(
+            config, loaded, kv_dtype,
+            ModelRunner.kv_bytes_per_block(loaded.model, config.block_size, kv_dtype),
+            memory_probe, unresident)
         self.num_blocks = self.kv_plan.num_blocks
         self.max_model_len = self.kv_plan.max_model_len
         backend = get_attention_backend(config.attention_backend, loaded.device)
@@ -190,76 +166,73 @@ class LLMEngine:
                                             loaded.eos_token_ids)
         self.processor = OutputProcessor(loaded.eos_token_ids, self.max_model_len,
                                          self.tokenizer, self.structured, config.jump_forward)
-        self.pin_results: dict[str, PinResult] = {}  # finished pin prefills, by request id
+        # What each request's life touches besides its tokens, called in this order.
+        self.hooks: tuple[RequestHooks, ...] = (self.structured, self.retention, self.tails,
+                                                self.pins, self.sampler, self.speculator)
         self.expired_pins: list[PinKey] = []  # pins whose TTL lapsed, for the registry owner
         self._ids = itertools.count()
-        self._totals = {"prompt": 0, "generation": 0, "finished": 0, "steps": 0, "model": 0}
-        _log_plan(self.kv_plan, backend.name)
+        self.totals = EngineTotals()
+        log_plan(self.kv_plan, backend.name)
 
     def add_request(self, request: EngineRequest) -> str:
         """Queue a request; returns its id (``request.request_id``, or one made here).
 
-        Raises ValueError for a prompt ``check_prompt`` refuses or an id in use, GrammarError
-        for a constraint that does not compile (nothing changes either way). A request without
-        its compiled ``grammar`` gets its constraint compiled here. Its ``retention`` is held
-        once its prompt is computed (its deltas report ``num_retained_tokens``); with
-        ``keep_tail`` its partial last block is held once it finishes, until
-        ``tails.release(request_id)``.
+        Raises ValueError for a prompt ``check_prompt`` refuses or an id in use,
+        GrammarError for a constraint that does not compile (nothing changes either way). A
+        request without its compiled ``grammar`` gets its constraint compiled here. Its
+        ``retention`` is held once its prompt is computed (its deltas report
+        ``num_retained_tokens``); with ``keep_tail`` its partial last block is held once it
+        finishes, until ``tails.release(request_id)``; with a ``pin`` it is registered as the
+        request ends (the last delta's ``pin_result``).
         """
         request_id = request.request_id or f"req-{next(self._ids)}"
         if request_id in self.processor:
             raise ValueError(f"request id {request_id!r} is already in use")
         check_prompt(request.prompt_token_ids, self.max_model_len, self.vocab_size)
         params = request.params
-        grammar = request.grammar
-        if params.structured_outputs is not None and grammar is None:
-            grammar = self.grammars.compile(params.structured_outputs)
+        if params.structured_outputs is not None and request.grammar is None:
+            request = dataclasses.replace(
+                request, grammar=self.grammars.compile(params.structured_outputs))
         room = self.max_model_len - len(request.prompt_token_ids)
         max_output = room if params.max_tokens is None else min(params.max_tokens, room)
-        running = Request(request_id, list(request.prompt_token_ids), params,
-                          max(max_output, 1), request.cache_salt, request.owner)
+        running = Request.of(request_id, request, max(max_output, 1))
         self.scheduler.add_request(running)
         self.processor.add(running)
-        if grammar is not None:
-            self.structured.add(request_id, grammar)
-        if request.retention is not None:
-            self.retention.track(request_id, request.retention)
-        self._totals["prompt"] += running.num_prompt_tokens
-        if request.keep_tail:
-            self.tails.want(request_id)
+        for hooks in self.hooks:
+            hooks.added(running)
+        self.totals.prompt_tokens_total += running.num_prompt_tokens
         return request_id
 
     def abort_request(self, request_id: str) -> StreamDelta | None:
         """Stop a request now and free its blocks; returns its final delta if it was live."""
-        if self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED) is None:
-            return None
-        return self._last_delta(request_id)
-    def add_pin(self, name: str, token_ids: list[int], ttl_s: float | None = None,
-                meta: dict | None = None, request_id: str | None = None,
-                owner: str | None = None, cache_salt: str | None = None) -> str:
-        """Start prefilling a pin in ``owner``'s name space, hashed with ``cache_salt``; its
-        PinResult lands in ``pin_results[request_id]`` when done.
+        request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        return None if request is None else self._last_delta(request, None)
+
+    # --- pins ------------------------------------------------------------------------------
+    def add_pin(self, pin: PinRequest, request_id: str | None = None) -> str:
+        """Start prefilling ``pin``; returns its request's id. Its ``PinResult`` comes on that
+        request's last delta (``pin_result``).
 
         Raises PinError (nothing changes) when the name is taken or the budget would overflow.
         """
-        self.pins.check_can_add(PinKey(owner, name), token_ids, cache_salt)
-        request_id = request_id or f"pin-{name}-{next(self._ids)}"
+        self.pins.check_can_add(pin.key, list(pin.token_ids), pin.cache_salt)
         params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-        self.add_request(EngineRequest(token_ids, params, request_id, cache_salt, owner))
-        self.pins.pending[request_id] = PendingPin(name, list(token_ids), ttl_s, dict(meta or {}),
-                                                   time.monotonic(), owner=owner,
-                                                   cache_salt=cache_salt)
-        return request_id
+        return self.add_request(EngineRequest(
+            list(pin.token_ids), params, request_id or f"pin-{pin.name}-{next(self._ids)}",
+            pin.cache_salt, pin.owner, pin=pin))
 
-    def restore_pin(self, name: str, token_ids: list[int], payload: dict, ttl_s: float | None,
-                    meta: dict | None = None, owner: str | None = None,
-                    cache_salt: str | None = None) -> PinResult:
+    def cancel_pin(self, request_id: str, key: PinKey) -> None:
+        """Undo ``add_pin``'s request ``request_id`` whatever it reached: its prefill aborted,
+        or the pin it registered removed."""
+        self.abort_request(request_id)
+        if key in self.pins.registry and self.pins.registry.get(key).meta.get(
+                "request_id") == request_id:
+            self.pins.registry.remove(key)
+
+    def restore_pin(self, pin: PinRequest, payload: dict) -> PinResult:
         """Pin from a loaded KV snapshot without recomputing. Raises SnapshotMismatch when it
         does not fit (nothing changes), PinError when the pin cannot be added."""
-        pending = PendingPin(name, list(token_ids), ttl_s, dict(meta or {}), time.monotonic(),
-                             owner=owner, cache_salt=cache_salt)
-        return self.pins.restore_snapshot(pending, self.runner.kv_caches, payload,
-                                          self.fingerprint)
+        return self.pins.restore_snapshot(pin, self.runner.kv_caches, payload, self.fingerprint)
 
     def pin_snapshot_shape(self, key: PinKey | str) -> tuple[tuple[int, ...], torch.dtype]:
         return snapshot_shape(self.pins.registry.get(key), self.runner.kv_caches)
@@ -270,9 +243,29 @@ class LLMEngine:
         return gather_snapshot(self.pins.registry.get(key), self.runner.kv_caches,
                                self.fingerprint, out)
 
+    def get_pin(self, key: PinKey | str) -> Pin:
+        """Raises PinNotFoundError."""
+        return self.pins.registry.get(key)
+
+    def list_pins(self) -> list[Pin]:
+        return list(self.pins.registry)
+
     def unpin(self, key: PinKey | str) -> None:
         """Drop a pin; its blocks become ordinary cached blocks. Raises PinNotFoundError."""
         self.pins.registry.remove(key)
+
+    def take_expired_pins(self) -> list[PinKey]:
+        """The pins whose TTL lapsed since the last call (they decayed to LRU blocks)."""
+        expired, self.expired_pins = self.expired_pins, []
+        return expired
+
+    def expire_pins(self) -> None:
+        """Let pins and retained prefixes whose TTL lapsed decay to ordinary LRU blocks."""
+        now = time.monotonic()
+        for key in self.pins.registry.expired(now):
+            self.pins.registry.remove(key)
+            self.expired_pins.append(key)
+        self.retention.expire(now)
 
     def retain(self, token_ids: list[int], hold: RetentionRequest, cache_salt: str | None = None,
                owner: str | None = None) -> Retained | None:
@@ -280,33 +273,28 @@ class LLMEngine:
         (see ``RetentionManager.retain``); None when nothing could be held."""
         return self.retention.retain(token_ids, hold, cache_salt, owner)
 
-    def expire_pins(self) -> None:
-        now = time.monotonic()
-        for key in self.pins.registry.expired(now):
-            self.pins.registry.remove(key)
-            self.expired_pins.append(key)
-        self.retention.expire(now)
-
     def close(self) -> None:
         """Release what outlives a step: the KV-event publisher sends what it has queued."""
         if isinstance(self.kv_events, KVEventPublisher):
             self.kv_events.close()
 
+    # --- the step --------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[StreamDelta]:
         """Schedule, run, process: one forward over the batch, then each request's news."""
         out = self.scheduler.schedule()
-        self._admitted([self.scheduler.requests[rid] for rid in out.admitted_ids])
+        for request in (self.scheduler.requests[rid] for rid in out.admitted_ids):
+            for hooks in self.hooks:
+                hooks.admitted(request)
         deltas = [self._failed(request_id) for request_id in out.failed_ids]
         self.runner.copy_kv(out.kv_copies)
         if out.empty:
             return deltas
         result = self.runner.execute(out.scheduled)
-        self.pins.keep_tails(out.scheduled)
-        self._totals["steps"] += 1
-        self._totals["model"] += result.num_tokens
+        self.totals.num_steps += 1
+        self.totals.num_model_tokens += result.num_tokens
         requests = [self.scheduler.requests[rid] for rid in result.request_ids]
         sampled = self._sample(requests, result.logits, out.scheduled)
         self.processor.process(requests, sampled.token_ids, sampled.dead_ends)
@@ -316,16 +304,10 @@ class LLMEngine:
         self._propose_drafts()
         return deltas
 
-    def _admitted(self, requests: list[Request]) -> None:
-        """First admissions: credit the pins and retained prefixes they hit."""
-        for request in requests:
-            self.pins.on_admitted(request)
-            self.retention.on_admitted(request)
-
     def _failed(self, request_id: str) -> StreamDelta:
         """The scheduler finished this request: it can never fit in the pool."""
         self.processor.fail(request_id, DOES_NOT_FIT)
-        return self._last_delta(request_id)
+        return self._last_delta(self.processor.request(request_id), None)
 
     def _sample(self, requests: list[Request], logits: torch.Tensor,
                 scheduled: list[ScheduledRequest]) -> _Sampled:
@@ -343,17 +325,14 @@ class LLMEngine:
                         dead_ends)
 
     def _news(self, request: Request, item: ScheduledRequest, now: float) -> StreamDelta:
-        """A processed request's delta, once what it computed is held (retention) and, if it
-        finished, its tail kept."""
-        retained = self.retention.after_compute(request)
-        if retained is not None:
-            self.processor.note_retained(request.request_id, retained.num_tokens)
+        """A processed request's delta, once every component has seen what it computed."""
+        for hooks in self.hooks:
+            hooks.computed(request, item)
         if request.first_token_time_s is None:
             request.first_token_time_s = now
         if not request.status.finished:
             return self.processor.delta(request.request_id, finished=False)
-        self.tails.on_finished(request, item)
-        return self._last_delta(request.request_id)
+        return self._last_delta(request, item)
 
     def _propose_drafts(self) -> None:
         self.speculator.propose(self.scheduler.running, self.scheduler.num_waiting)
@@ -364,52 +343,26 @@ class LLMEngine:
                 request.spec_token_ids = self.structured.legal_prefix(
                     request.request_id, request.spec_token_ids[:room])
 
-    def _last_delta(self, request_id: str) -> StreamDelta:
-        """A finished request's last delta; everything kept about it goes."""
-        delta = self.processor.delta(request_id, finished=True)
-        if request_id in self.pins.pending:
-            result = self.pins.complete(request_id,
-                                        failed=delta.error or delta.finish_reason == "abort")
-            if result is not None:
-                self.pin_results[request_id] = result
-        self.retention.forget(request_id)
-        self.tails.forget(request_id)
-        self.sampler.forget(request_id)
-        self.speculator.forget(request_id)
-        self.structured.remove(request_id)
-        self._totals["finished"] += 1
-        self._totals["generation"] += delta.num_output_tokens
+    def _last_delta(self, request: Request, item: ScheduledRequest | None) -> StreamDelta:
+        """A finished request's last delta, once every component has let it go."""
+        delta = self.processor.delta(request.request_id, finished=True)
+        for hooks in self.hooks:
+            hooks.finished(request, item, delta)
+        self.totals.num_requests_finished += 1
+        self.totals.generation_tokens_total += delta.num_output_tokens
         return delta
 
     def stats(self) -> EngineStats:
-        pool = self.kv_cache.pool
-        sched = self.scheduler.stats
         return EngineStats(
             num_requests_running=self.scheduler.num_running,
             num_requests_waiting=self.scheduler.num_waiting,
-            prefix_cache_queries=sched.prefix_cache_queries,
-            prefix_cache_hits=sched.prefix_cache_hits,
-            num_preemptions=sched.num_preemptions,
-            num_blocks_total=pool.num_blocks,
-            num_blocks_free=pool.num_free - pool.num_cached_free,
-            num_blocks_cached=pool.num_cached_free,
-            num_blocks_used=pool.num_used,
-            kv_cache_usage=pool.usage,
-            prompt_tokens_total=self._totals["prompt"],
-            generation_tokens_total=self._totals["generation"],
-            num_requests_finished=self._totals["finished"],
-            num_steps=self._totals["steps"],
-            num_model_tokens=self._totals["model"],
-            num_blocks_pinned=self.pins.registry.num_pinned_blocks,
-            num_pins=len(self.pins.registry),
-            num_jump_forward_tokens=self.processor.num_jump_forward_tokens,
-            num_retained=len(self.pins.registry.retained),
-            num_blocks_retained=self.pins.registry.num_retained_blocks,
+            totals=dataclasses.replace(self.totals),
+            scheduler=dataclasses.replace(self.scheduler.stats),
+            pool=self.kv_cache.pool.stats(),
+            pins=self.pins.registry.counts(),
+            spec=dataclasses.replace(self.speculator.stats),
             num_retained_expired=self.retention.num_expired,
-            num_retained_displaced=self.pins.registry.num_retained_displaced,
-            spec_num_drafts=self.speculator.stats.num_drafts,
-            spec_num_draft_tokens=self.speculator.stats.num_draft_tokens,
-            spec_num_accepted_tokens=self.speculator.stats.num_accepted_tokens,
+            num_jump_forward_tokens=self.processor.num_jump_forward_tokens,
             num_tail_blocks=len(self.tails),
             kv_cache=self.kv_plan,
             load_s=self.load_s,

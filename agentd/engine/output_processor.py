@@ -141,7 +141,6 @@ class _State:
     text: OutputText | _NoText
     num_emitted_tokens: int = 0
     num_detokenized: int = 0  # output tokens fed to ``text``
-    num_retained_tokens: int = 0
     finish: Finish | None = None
 
 
@@ -256,8 +255,9 @@ class OutputProcessor:
         """The engine finished this request with ``error`` (it can never fit in the pool)."""
         self._states[request_id].finish = Finish(RequestStatus.FINISHED_LENGTH, error=error)
 
-    def note_retained(self, request_id: str, num_tokens: int) -> None:
-        self._states[request_id].num_retained_tokens = num_tokens
+    def request(self, request_id: str) -> Request:
+        """A live request (finished ones are forgotten at their last delta)."""
+        return self._states[request_id].request
 
     def delta(self, request_id: str, finished: bool) -> StreamDelta:
         """The request's news since its previous delta; its last when ``finished`` (then the
@@ -278,7 +278,7 @@ class OutputProcessor:
             num_prompt_tokens=request.num_prompt_tokens,
             num_cached_tokens=request.num_cached_tokens or 0,
             num_output_tokens=request.num_output_tokens,
-            num_retained_tokens=state.num_retained_tokens,
+            num_retained_tokens=request.num_retained_tokens,
             finish_reason=request.status.value if finished else None,
             stop_reason=request.stop_reason,
             error=error,

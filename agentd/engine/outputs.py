@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from agentd.pins.pin_request import PinResult
+
 
 @dataclass
 class RequestOutput:
@@ -45,6 +47,7 @@ class StreamDelta:
     first_token_time_s: float | None = None
     arrival_time_s: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
+    pin_result: PinResult | None = None  # a pin's prefill: how its registration ended (last)
 
     @property
     def finished(self) -> bool:

@@ -1,4 +1,6 @@
-"""A request's state as the scheduler and engine see it: token ids and counters, no tensors.
+"""A request's state as the scheduler and engine see it: token ids and counters, no tensors,
+and what it asked for beyond tokens (a prefix to retain, a tail to keep, a pin to register, a
+grammar), so that its whole life is held in one place (vLLM keeps it on its ``Request`` too).
 
 Invariant: ``num_computed_tokens <= num_tokens``; ``all_token_ids`` is the prompt followed by
 every token generated so far.
@@ -12,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentd.engine.sampling_params import SamplingParams
+from agentd.pins.pin_request import PinRequest
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class EngineRequest:
     retention: RetentionRequest | None = None  # hold the prompt's prefix once computed
     keep_tail: bool = False  # a stored response: keep its last partial block once finished
     grammar: Any = None  # ``params.structured_outputs`` compiled, off the engine thread
+    pin: PinRequest | None = None  # this request prefills a pin; it is registered as it ends
 
 
 def check_prompt(prompt_token_ids: list[int], max_model_len: int,
@@ -95,6 +99,20 @@ class Request:
     # runs them once, beside the request's next token, and the sampler keeps those the model agrees
     # on.
     spec_token_ids: list[int] = field(default_factory=list)
+    # What it asked for beyond tokens (from its EngineRequest), read by the engine's hooks:
+    retention: RetentionRequest | None = None  # until held (then None)
+    num_retained_tokens: int = 0  # prompt tokens its retention holds now
+    keep_tail: bool = False
+    pin: PinRequest | None = None
+    grammar: Any = None
+
+    @classmethod
+    def of(cls, request_id: str, request: EngineRequest, max_output_tokens: int) -> Request:
+        """The running state of ``request``, under ``request_id``."""
+        return cls(request_id, list(request.prompt_token_ids), request.params,
+                   max_output_tokens, request.cache_salt, request.owner,
+                   retention=request.retention, keep_tail=request.keep_tail, pin=request.pin,
+                   grammar=request.grammar)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

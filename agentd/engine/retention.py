@@ -16,7 +16,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from agentd.cache import BlockHash, KVCacheManager, PinRegistry
+from agentd.engine.hooks import RequestHooks
 from agentd.engine.request import Request, RetentionRequest
+from agentd.engine.scheduler import ScheduledRequest
 
 _PREVIEW_TOKENS = 12
 _PREVIEW_CHARS = 48
@@ -48,31 +50,27 @@ class RetainedStat:
     preview: str
 
 
-class RetentionManager:
+class RetentionManager(RequestHooks):
     def __init__(self, kv_cache: KVCacheManager, registry: PinRegistry, tokenizer) -> None:
         self.kv_cache = kv_cache
         self.registry = registry
         self.tokenizer = tokenizer
-        self.pending: dict[str, RetentionRequest] = {}  # request id -> its hold, until held
         self.num_expired = 0
 
-    def track(self, request_id: str, hold: RetentionRequest) -> None:
-        """Retain ``hold`` of the request once its prefix is computed (``after_compute``)."""
-        self.pending[request_id] = hold
-
-    def forget(self, request_id: str) -> None:
-        self.pending.pop(request_id, None)
-
-    def after_compute(self, request: Request) -> Retained | None:
-        """After a step: a tracked request whose held prefix is now computed gets it retained
-        (finished or not: a finished request's blocks are still cached within the step)."""
-        hold = self.pending.get(request.request_id)
+    def computed(self, request: Request, item: ScheduledRequest) -> None:
+        """A request whose held prefix (``request.retention``) is now computed gets it
+        retained (finished or not: a finished request's blocks are still cached within the
+        step); ``request.num_retained_tokens`` says how much."""
+        hold = request.retention
         if hold is None or request.num_computed_tokens < min(hold.num_tokens,
                                                             request.num_prompt_tokens):
-            return None
-        del self.pending[request.request_id]
-        return self.retain(request.prompt_token_ids, hold, request.cache_salt, request.owner,
-                           request.prompt_block_hashes(self.kv_cache.block_size))
+            return
+        request.retention = None  # asked once
+        retained = self.retain(request.prompt_token_ids, hold, request.cache_salt,
+                               request.owner,
+                               request.prompt_block_hashes(self.kv_cache.block_size))
+        if retained is not None:
+            request.num_retained_tokens = retained.num_tokens
 
     def retain(self, token_ids: Sequence[int], hold: RetentionRequest, cache_salt: str | None,
                owner: str | None = None,
@@ -104,7 +102,7 @@ class RetentionManager:
             return None
         return Retained(end, num_held, prefix.expires_s - now, new=existing is None)
 
-    def on_admitted(self, request: Request) -> None:
+    def admitted(self, request: Request) -> None:
         """A request admitted for the first time refreshes every retained prefix it holds whole
         (as Anthropic refreshes a cache entry on use) and counts as its hit."""
         now = time.monotonic()

@@ -6,18 +6,26 @@ what else is in the batch; greedy rows never consume randomness.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
+from agentd.engine.hooks import RequestHooks
 from agentd.engine.request import Request
 
+if TYPE_CHECKING:
+    from agentd.engine.outputs import StreamDelta
+    from agentd.engine.scheduler import ScheduledRequest
 
-class Sampler:
+
+class Sampler(RequestHooks):
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._generators: dict[str, torch.Generator] = {}
 
-    def forget(self, request_id: str) -> None:
-        self._generators.pop(request_id, None)
+    def finished(self, request: Request, item: ScheduledRequest | None,
+                 delta: StreamDelta) -> None:
+        self._generators.pop(request.request_id, None)
 
     def sample(self, logits: torch.Tensor, requests: list[Request]) -> list[int]:
         """Pick one token per row of ``logits`` (``[len(requests), vocab]``, float32)."""

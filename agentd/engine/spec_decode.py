@@ -33,12 +33,18 @@ from __future__ import annotations
 from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from agentd.config import SpeculativeConfig
+from agentd.engine.hooks import RequestHooks
 from agentd.engine.request import Request
 from agentd.engine.sampler import Sampler
+
+if TYPE_CHECKING:
+    from agentd.engine.outputs import StreamDelta
+    from agentd.engine.scheduler import ScheduledRequest
 
 MAX_BACKOFF_STEPS = 32
 _ITEM_BYTES = array("i").itemsize
@@ -80,7 +86,7 @@ class SpecStats:
     num_accepted_tokens: int = 0
 
 
-class Speculator:
+class Speculator(RequestHooks):
     """Speculation off (the null implementation): never drafts; samples one token a request."""
 
     def __init__(self) -> None:
@@ -89,8 +95,13 @@ class Speculator:
     def propose(self, running: Sequence[Request], num_waiting: int) -> None:
         """Set ``spec_token_ids`` of the running requests that should draft next step."""
 
-    def forget(self, request_id: str) -> None:
+    def finished(self, request: Request, item: ScheduledRequest | None,
+                 delta: StreamDelta) -> None:
         """Drop what is kept about a finished request."""
+        self.forget(request.request_id)
+
+    def forget(self, request_id: str) -> None:
+        """Drop what is kept about ``request_id``."""
 
     def sample(self, sampler: Sampler, logits: torch.Tensor, requests: Sequence[Request],
                drafts: Mapping[str, list[int]]) -> dict[str, list[int]]:

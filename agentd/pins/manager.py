@@ -4,32 +4,34 @@ observers. Snapshots' KV and files are :mod:`agentd.pins.snapshots`.
 
 Runs on the engine thread only. Invariants: a pin is registered only after every one of its
 blocks holds computed KV; a pin lives in its owner's name space and is hashed with its owner's
-cache salt; a prefilled tail is held (``PIN_PREFILL``) until the pin holds it or is refused.
+cache salt; a prefill's last partial block is taken by the pin as the prefill ends (freed just
+now, nothing allocated since), or left free when the pin is refused.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from agentd.cache import (
-    PIN_PREFILL,
     KVCacheManager,
-    Owner,
-    Pin,
     PinError,
     PinExistsError,
     PinKey,
     PinRegistry,
 )
+from agentd.engine.hooks import RequestHooks
 from agentd.engine.model_runner import copy_kv
+from agentd.engine.outputs import StreamDelta
 from agentd.engine.request import Request
 from agentd.engine.retention import RetainedStat, retained_stats
 from agentd.engine.scheduler import ScheduledRequest
 from agentd.pins.near_miss import NearMiss, NearMissCount, PinNearMisses
+from agentd.pins.pin_request import PinRequest, PinResult
 from agentd.pins.snapshots import check_snapshot, put_snapshot, snapshot_tail
 
 
@@ -65,34 +67,18 @@ class PinSummary:
     retained: tuple[RetainedStat, ...] = ()  # prefixes held by cache control, newest use first
 
 
-@dataclass
+@dataclass(frozen=True)
 class PendingPin:
-    name: str
-    token_ids: list[int]  # whole blocks, then the tail (fewer than a block)
-    ttl_s: float | None
-    meta: dict[str, Any]
-    started_s: float
-    tail_block: int | None = None  # once its KV is computed: the block, with our reference
-    owner: str | None = None
-    cache_salt: str | None = None
+    """A pin whose prefill request is running."""
 
-    @property
-    def key(self) -> PinKey:
-        return PinKey(self.owner, self.name)
-
-
-@dataclass
-class PinResult:
-    pin: Pin | None
-    error: Exception | None
-    elapsed_s: float
-    restored: bool  # KV came from a snapshot instead of a prefill
+    pin: PinRequest
+    started_s: float  # monotonic
 
 
 _EMPTY_SUMMARY = PinSummary()
 
 
-class PinManager:
+class PinManager(RequestHooks):
     def __init__(self, kv_cache: KVCacheManager, tokenizer, max_pinned_blocks: int) -> None:
         self.kv_cache = kv_cache
         self.tokenizer = tokenizer
@@ -106,7 +92,7 @@ class PinManager:
         """Raise PinError (409/400) before any work when the pin cannot be added."""
         if key in self.registry:
             raise PinExistsError(f"a pin named {key.name!r} already exists; unpin it first")
-        if any(p.key == key for p in self.pending.values()):
+        if any(p.pin.key == key for p in self.pending.values()):
             raise PinExistsError(f"a pin named {key.name!r} is being registered already")
         num_blocks = len(token_ids) // self.kv_cache.block_size
         if num_blocks == 0:
@@ -117,95 +103,86 @@ class PinManager:
         has_tail = len(token_ids) % self.kv_cache.block_size != 0
         self.registry.check_can_add(key, num_blocks=num_blocks + has_tail - already)
 
-    def keep_tails(self, scheduled: list[ScheduledRequest]) -> None:
-        """After a forward: a pin prefill that just computed its last tokens keeps a reference
-        on its partial last block (its request frees its own when it finishes), for the pin."""
-        for item in scheduled:
-            pending = self.pending.get(item.request_id)
-            if pending is None or not item.sample:
-                continue
-            num_full, num_tail = divmod(len(pending.token_ids), self.kv_cache.block_size)
-            if num_tail and pending.tail_block is None:
-                self._hold_tail(item.request_id, pending, item.block_table[num_full])
+    def added(self, request: Request) -> None:
+        if request.pin is not None:
+            self.pending[request.request_id] = PendingPin(request.pin, time.monotonic())
 
-    def _hold_tail(self, request_id: str, pending: PendingPin, block_id: int) -> None:
-        pending.tail_block = block_id
-        self.kv_cache.holders.hold(Owner(PIN_PREFILL, request_id), [block_id])
-
-    def _drop_tail(self, request_id: str, pending: PendingPin) -> None:
-        """The pin holds its tail now, or will never: the prefill's own reference goes."""
-        self.kv_cache.holders.release(Owner(PIN_PREFILL, request_id))
-        pending.tail_block = None
-
-    def complete(self, request_id: str, failed: str | bool = False) -> PinResult | None:
-        """Called when a pin's prefill request finishes: take references on its blocks."""
-        pending = self.pending.pop(request_id, None)
+    def finished(self, request: Request, item: ScheduledRequest | None,
+                 delta: StreamDelta) -> None:
+        """A pin's prefill ended: pin its blocks (its last partial block too, freed just now and
+        nothing allocated since) and say how on its last delta."""
+        pending = self.pending.pop(request.request_id, None)
         if pending is None:
-            return None
-        if failed:
-            self._drop_tail(request_id, pending)
-            reason = failed if isinstance(failed, str) else "the prefill was aborted"
-            return PinResult(None, RuntimeError(reason), time.monotonic() - pending.started_s,
-                             restored=False)
-        return self._register(request_id, pending, restored=False)
+            return
+        if item is None or delta.error or delta.finish_reason == "abort":
+            reason = delta.error or "the prefill was aborted"
+            delta.pin_result = PinResult(None, RuntimeError(reason),
+                                         time.monotonic() - pending.started_s, restored=False)
+            return
+        num_full = len(pending.pin.token_ids) // self.kv_cache.block_size
+        tail_block = item.block_table[num_full] if len(item.block_table) > num_full else None
+        delta.pin_result = self._register(request.request_id, pending.pin, pending.started_s,
+                                          pending.pin.token_ids, tail_block, restored=False)
 
-    def _register(self, request_id: str, pending: PendingPin, restored: bool) -> PinResult:
-        """Pin the prefilled (or restored) prefix; ``request_id`` holds its tail until then."""
-        cached = self.kv_cache.find_cached_prefix(pending.token_ids, pending.cache_salt)
-        num_blocks = len(pending.token_ids) // self.kv_cache.block_size
-        elapsed = time.monotonic() - pending.started_s
+    def _register(self, request_id: str, pin: PinRequest, started_s: float,
+                  token_ids: Sequence[int], tail_block: int | None,
+                  restored: bool) -> PinResult:
+        """Pin ``token_ids``, prefilled (or restored) by ``request_id``: its cached full blocks
+        and, past them, ``tail_block``."""
+        cached = self.kv_cache.find_cached_prefix(list(token_ids), pin.cache_salt)
+        num_blocks = len(token_ids) // self.kv_cache.block_size
+        elapsed = time.monotonic() - started_s
         if len(cached.block_ids) < num_blocks:
-            self._drop_tail(request_id, pending)
             return PinResult(None, RuntimeError("the pin's blocks were not all cached after its "
                                                 "prefill (is prefix caching disabled?)"),
                              elapsed, restored)
         full = num_blocks * self.kv_cache.block_size
-        tail = pending.token_ids[full:] if pending.tail_block is not None else []
+        tail = list(token_ids[full:]) if tail_block is not None else []
+        meta = {**pin.meta, "request_id": request_id,
+                "prefill_s" if not restored else "restore_s": elapsed}
         try:
-            pin = self.registry.add(pending.name, pending.token_ids[:full],
-                                    cached.block_ids, cached.block_hashes[:num_blocks],
-                                    now_s=time.monotonic(), created_s=time.time(),
-                                    ttl_s=pending.ttl_s, meta=pending.meta,
-                                    tail_token_ids=tail, tail_block=pending.tail_block,
-                                    owner=pending.owner, cache_salt=pending.cache_salt)
+            registered = self.registry.add(
+                pin.name, list(token_ids[:full]), cached.block_ids,
+                cached.block_hashes[:num_blocks], now_s=time.monotonic(),
+                created_s=time.time(), ttl_s=pin.ttl_s, meta=meta, tail_token_ids=tail,
+                tail_block=tail_block if tail else None, owner=pin.owner,
+                cache_salt=pin.cache_salt)
         except Exception as exc:
-            self._drop_tail(request_id, pending)
             return PinResult(None, exc, elapsed, restored)
-        self._drop_tail(request_id, pending)  # the pin took its own reference
-        pin.meta["prefill_s" if not restored else "restore_s"] = elapsed
-        return PinResult(pin, None, elapsed, restored)
+        return PinResult(registered, None, elapsed, restored)
 
     # --- snapshots -------------------------------------------------------------------------
-    def restore_snapshot(self, pending: PendingPin, kv_caches: list[torch.Tensor],
+    def restore_snapshot(self, pin: PinRequest, kv_caches: list[torch.Tensor],
                          payload: dict[str, Any], fingerprint: str) -> PinResult:
         """Copy a loaded snapshot into fresh blocks and pin them.
 
         Raises SnapshotMismatch (nothing changes) when it does not fit this pin and model, and
         PinError when the pin cannot be added.
         """
+        started_s = time.monotonic()
         block_size = self.kv_cache.block_size
-        num_blocks = len(pending.token_ids) // block_size
+        token_ids = list(pin.token_ids)
+        num_blocks = len(token_ids) // block_size
         num_full = num_blocks * block_size
-        kv = check_snapshot(payload, pending.token_ids, pending.cache_salt, kv_caches,
-                            fingerprint, num_full)
-        tail_kv = snapshot_tail(payload, pending.token_ids[num_full:], kv_caches)
+        kv = check_snapshot(payload, token_ids, pin.cache_salt, kv_caches, fingerprint, num_full)
+        tail_kv = snapshot_tail(payload, token_ids[num_full:], kv_caches)
         if tail_kv is None:  # an older snapshot: the pin goes without its tail
-            pending.token_ids = pending.token_ids[:num_full]
-        self.registry.check_can_add(pending.key, num_blocks=num_blocks + (tail_kv is not None))
-        request_id = f"pin-restore-{pending.name}"
-        cached = self.kv_cache.find_cached_prefix(pending.token_ids, pending.cache_salt)
-        if self.kv_cache.allocate(request_id, len(pending.token_ids), cached) is None:
+            token_ids = token_ids[:num_full]
+        self.registry.check_can_add(pin.key, num_blocks=num_blocks + (tail_kv is not None))
+        request_id = f"pin-restore-{pin.name}"
+        cached = self.kv_cache.find_cached_prefix(token_ids, pin.cache_salt)
+        if self.kv_cache.allocate(request_id, len(token_ids), cached) is None:
             raise PinError("the pool has no room for the snapshot's blocks")
         copy_kv(kv_caches, self.kv_cache.take_copies())  # before the snapshot writes over them
         table = self.kv_cache.block_table(request_id)
         num_reused = len(cached.block_ids)
-        if tail_kv is not None:
-            self._hold_tail(request_id, pending, table[num_blocks])
+        tail_block = table[num_blocks] if tail_kv is not None else None
         put_snapshot(kv_caches, table[num_reused:num_blocks], kv[:, num_reused:],
                      None if tail_kv is None else (table[num_blocks], tail_kv))
-        self.kv_cache.cache_blocks(request_id, pending.token_ids, num_full,
-                                   pending.cache_salt, cached.block_hashes)
-        result = self._register(request_id, pending, restored=True)
+        self.kv_cache.cache_blocks(request_id, token_ids, num_full, pin.cache_salt,
+                                   cached.block_hashes)
+        result = self._register(request_id, pin, started_s, token_ids, tail_block,
+                                restored=True)
         self.kv_cache.free(request_id)  # the pin's own references keep the blocks
         return result
 
@@ -224,7 +201,7 @@ class PinManager:
                           retained_stats(self.registry))
 
     # --- accounting ------------------------------------------------------------------------
-    def on_admitted(self, request: Request) -> None:
+    def admitted(self, request: Request) -> None:
         """Credit a pin hit, or record a near miss, for a request admitted for the first time."""
         if not len(self.registry) or request.request_id in self.pending:
             return

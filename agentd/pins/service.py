@@ -19,14 +19,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from agentd.cache import PinError, PinKey, PinNotFoundError, common_prefix_len, pin_key
 from agentd.chat import render_chat
 from agentd.engine.async_engine import AsyncEngine
 from agentd.pins import registry_file as pin_store
 from agentd.pins import snapshots as pin_snapshots
 from agentd.pins.manager import tenant_salt
+from agentd.pins.pin_request import PinRequest
 from agentd.pins.registry_file import REGISTRY_FILE, PinSpec
 from agentd.pins.snapshots import SnapshotError, SnapshotMismatch
 
@@ -83,10 +82,7 @@ class PinService:
         Raises PinError (with an HTTP status) when the name is taken, the budget is short or the
         prefix does not fit the context.
         """
-        token_ids = self._token_ids(spec)
-        meta = {"system_chars": len(spec.system), "num_tools": len(spec.tools or [])}
-        result = await self.engine.run_pin(spec.name, token_ids, spec.ttl_s, meta,
-                                           owner=spec.owner, cache_salt=tenant_salt(spec.owner))
+        result = await self.engine.run_pin(self._request(spec))
         if result.pin is None:
             raise result.error or PinError("the pin failed")
         if spec.prefill_s is None:
@@ -99,18 +95,21 @@ class PinService:
             await self._snapshot(spec)
         return {**self.describe(result.pin), "prefill_s": result.elapsed_s, "restored": False}
 
-    def _token_ids(self, spec: PinSpec) -> list[int]:
-        """The pin's tokens; PinTooLongError when they do not fit the context."""
+    def _request(self, spec: PinSpec) -> PinRequest:
+        """What the engine pins for ``spec``; PinTooLongError when it does not fit the
+        context."""
         token_ids = pin_token_ids(self.engine.tokenizer, spec.system, spec.tools)
         if len(token_ids) >= self.engine.max_model_len:
             raise PinTooLongError(
                 f"pin {spec.name!r} is {len(token_ids)} tokens but the context (max_model_len) "
                 f"is {self.engine.max_model_len}; shorten the prompt or raise --kv-cache-memory")
-        return token_ids
+        meta = {"system_chars": len(spec.system), "num_tools": len(spec.tools or [])}
+        return PinRequest(spec.name, tuple(token_ids), spec.ttl_s, meta, spec.owner,
+                          tenant_salt(spec.owner))
 
     async def remove(self, key: PinKey | str) -> None:
         key = pin_key(key)
-        await self.engine.call(lambda e: e.unpin(key))
+        await self.engine.unpin(key)
         self.specs.pop(key, None)
         self.persist()
         path = self._snapshot_path(key)
@@ -121,18 +120,17 @@ class PinService:
                    ) -> list[dict[str, Any]]:
         """``owner``'s pins, or with ``everyone`` every tenant's."""
         await self.sync_expired()
-        pins = await self.engine.call(lambda e: list(e.pins.registry))
+        pins = await self.engine.list_pins()
         return [self.describe(p) for p in pins if everyone or p.owner == owner]
 
     async def get(self, key: PinKey | str) -> dict[str, Any]:
         await self.sync_expired()
-        pin = await self.engine.call(lambda e: e.pins.registry.get(key))
+        pin = await self.engine.get_pin(key)
         return self.describe(pin)
 
     async def sync_expired(self) -> None:
         """Forget specs whose TTL lapsed in the engine (they decayed to ordinary LRU blocks)."""
-        expired = await self.engine.call(lambda e: [e.expired_pins.pop()
-                                                    for _ in range(len(e.expired_pins))])
+        expired = await self.engine.take_expired_pins()
         if expired:
             for key in expired:
                 self.specs.pop(key, None)
@@ -181,9 +179,7 @@ class PinService:
         if path is None:
             return
         try:
-            shape, dtype = await self.engine.call(lambda e: e.pin_snapshot_shape(key))
-            buffer = await asyncio.to_thread(torch.zeros, shape, dtype=dtype)  # touch its pages
-            payload = await self.engine.call(lambda e: e.gather_pin_snapshot(key, buffer))
+            payload = await self.engine.gather_pin_snapshot(key)
             await asyncio.to_thread(self._write_snapshot, spec, payload, path)
         except PinNotFoundError:
             return  # unpinned (or decayed) before its KV was gathered: nothing to keep
@@ -262,23 +258,23 @@ class PinService:
 
     async def _restore_one(self, spec: PinSpec) -> dict[str, Any]:
         key = PinKey(spec.owner, spec.name)
-        token_ids = self._token_ids(spec)
+        pin = self._request(spec)
         path = self._snapshot_path(key)
         reason = None
         if path is not None and (path.exists() or pin_snapshots.checksum_path(path).exists()):
-            meta = {"system_chars": len(spec.system), "num_tools": len(spec.tools or [])}
             try:
                 payload = await asyncio.to_thread(pin_snapshots.read_snapshot, path)
-                await self.engine.call(lambda e: e.restore_pin(
-                    spec.name, token_ids, payload, spec.ttl_s, meta, owner=spec.owner,
-                    cache_salt=tenant_salt(spec.owner)))
+                result = await self.engine.restore_pin(pin, payload)
+                if result.pin is None:
+                    raise result.error or PinError("the pin failed")
             except (SnapshotError, SnapshotMismatch) as exc:
                 reason = str(exc)
                 logger.warning("the KV snapshot of pin %r is unusable (%s): recomputing it",
                                spec.name, reason)
             else:
                 self.specs[key] = spec
-                return {"name": spec.name, "source": "snapshot", "num_tokens": len(token_ids)}
+                return {"name": spec.name, "source": "snapshot",
+                        "num_tokens": len(pin.token_ids)}
         described = await self.add(spec, persist=False)
         await self._snapshot(spec)
         entry = {"name": spec.name, "source": "recompute", "num_tokens": described["num_tokens"]}

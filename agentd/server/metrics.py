@@ -29,7 +29,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4"  # the text format; the server adds t
 _LATENCY_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                       40.0, 80.0, 160.0)
 
-# (name, help, EngineStats field) for counters read from the engine.
+# (name, help, EngineStats.flat() key) for counters read from the engine.
 _COUNTERS = (
     ("vllm:prefix_cache_queries", "Prefix cache queries, in tokens.", "prefix_cache_queries"),
     ("vllm:prefix_cache_hits", "Prefix cache hits, in tokens.", "prefix_cache_hits"),
@@ -71,21 +71,22 @@ class _EngineCollector:
         if snapshot is None:  # the model is still loading
             return
         model_name, stats, _ = snapshot
+        flat = stats.flat()
         for name, doc, field in _COUNTERS:
             family = CounterMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric([model_name], getattr(stats, field))
+            family.add_metric([model_name], flat[field])
             yield family
         for name, doc, field in _GAUGES:
             family = GaugeMetricFamily(name, doc, labels=["model_name"])
-            family.add_metric([model_name], getattr(stats, field))
+            family.add_metric([model_name], flat[field])
             yield family
         yield from _router_families(model_name, stats)
         blocks = GaugeMetricFamily("agentd:kv_cache_blocks", "KV blocks by state.",
                                    labels=["model_name", "state"])
         for state, field in _BLOCK_STATES:
-            blocks.add_metric([model_name, state], getattr(stats, field))
-        blocks.add_metric([model_name, "pinned"], stats.num_blocks_pinned)
-        blocks.add_metric([model_name, "retained"], stats.num_blocks_retained)
+            blocks.add_metric([model_name, state], flat[field])
+        blocks.add_metric([model_name, "pinned"], stats.pins.num_blocks_pinned)
+        blocks.add_metric([model_name, "retained"], stats.pins.num_blocks_retained)
         yield blocks
         yield from _pin_families(model_name, snapshot.pins)
         yield from _retained_families(model_name, stats, snapshot.pins)
@@ -97,8 +98,8 @@ def _router_families(model_name: str, stats: EngineStats) -> Iterator[Metric]:
     rate = GaugeMetricFamily("vllm:gpu_prefix_cache_hit_rate",
                              "Prompt tokens served from the prefix cache / prompt tokens looked "
                              "up, since start (0-1).", labels=["model_name"])
-    queries = stats.prefix_cache_queries
-    rate.add_metric([model_name], stats.prefix_cache_hits / queries if queries else 0.0)
+    queries = stats.scheduler.prefix_cache_queries
+    rate.add_metric([model_name], stats.scheduler.prefix_cache_hits / queries if queries else 0.0)
     yield rate
     plan = stats.kv_cache
     if plan is not None:
@@ -158,14 +159,14 @@ def _retained_families(model_name: str, stats: EngineStats,
     blocks = GaugeMetricFamily("agentd:retained_blocks",
                                "KV blocks held by retained prefixes and by no pin, now.",
                                labels=["model_name"])
-    blocks.add_metric([model_name], stats.num_blocks_retained)
+    blocks.add_metric([model_name], stats.pins.num_blocks_retained)
     yield blocks
     for name, doc, value in (
             ("agentd:retained_expired", "Retained prefixes that decayed at their TTL.",
              stats.num_retained_expired),
             ("agentd:retained_displaced",
              "Retained prefixes decayed early to make room in the pin budget.",
-             stats.num_retained_displaced)):
+             stats.pins.num_retained_displaced)):
         family = CounterMetricFamily(name, doc, labels=["model_name"])
         family.add_metric([model_name], value)
         yield family

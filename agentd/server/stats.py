@@ -125,10 +125,10 @@ def stats_report(stats: EngineStats, summary: PinSummary, recent: RecentRequests
                  restore_report: list[dict[str, Any]], persist_error: str | None
                  ) -> dict[str, Any]:
     """The cache and pin part of ``/v1/stats`` (the engine's counters come as they are)."""
-    queries = stats.prefix_cache_queries
+    queries, hits = stats.scheduler.prefix_cache_queries, stats.scheduler.prefix_cache_hits
     return {
-        **dataclasses.asdict(stats),
-        "prefix_cache_hit_rate": round(stats.prefix_cache_hits / queries, 6) if queries else None,
+        **stats.flat(),
+        "prefix_cache_hit_rate": round(hits / queries, 6) if queries else None,
         "ttft": recent.ttft(),
         "tokens_per_s": recent.tokens_per_s(),
         "pins": pins_report(summary),

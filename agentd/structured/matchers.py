@@ -32,12 +32,18 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from agentd.engine.hooks import RequestHooks
 from agentd.structured.closing import Closing, ClosingSearch, Vocab, allowed
 from agentd.structured.repetition import loop_tokens
+
+if TYPE_CHECKING:
+    from agentd.engine.outputs import StreamDelta
+    from agentd.engine.request import Request
+    from agentd.engine.scheduler import ScheduledRequest
 
 CLOSING_HORIZON = 64  # budgets (tokens left) at which the cost of closing is checked
 CLOSING_MARGIN = 4  # tokens left beyond the estimate (jump-forward may split text otherwise),
@@ -67,7 +73,7 @@ class _Constrained:
     hold: Hold | None = None
 
 
-class StructuredOutputs:
+class StructuredOutputs(RequestHooks):
     """Matchers by request id; masks logits rows and advances matchers with sampled tokens."""
 
     def __init__(self, vocab_size: int,
@@ -100,6 +106,14 @@ class StructuredOutputs:
 
     def remove(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
+
+    def added(self, request: Request) -> None:
+        if request.grammar is not None:
+            self.add(request.request_id, request.grammar)
+
+    def finished(self, request: Request, item: ScheduledRequest | None,
+                 delta: StreamDelta) -> None:
+        self.remove(request.request_id)
 
     def needs_closing(self, request_id: str, budget: int) -> bool:
         """True once the request must be held to finish within ``budget`` more tokens (and from

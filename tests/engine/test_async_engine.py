@@ -16,6 +16,7 @@ from agentd.engine.outputs import StreamDelta
 from agentd.engine.request import EngineRequest
 from agentd.engine.sampling_params import SamplingParams
 from agentd.llm import LLM
+from agentd.pins.pin_request import PinRequest
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 TEXTS = ["The quick brown fox jumps over", "def fibonacci(n):", "In 1492, Columbus sailed",
@@ -59,7 +60,7 @@ async def collect(stream: AsyncIterator[StreamDelta]) -> list[StreamDelta]:
 
 async def pool_state(engine: AsyncEngine) -> tuple[int, int, int]:
     """Blocks in use, requests running, requests waiting: read on the engine thread."""
-    return await engine.call(lambda e: (e.stats().num_blocks_used, e.scheduler.num_running,
+    return await engine.call(lambda e: (e.stats().pool.num_blocks_used, e.scheduler.num_running,
                                         e.scheduler.num_waiting))
 
 
@@ -80,8 +81,8 @@ def test_concurrent_streams_match_the_offline_api(engine: AsyncEngine, offline: 
         assert deltas[-1].finish_reason == "length" and deltas[-1].num_output_tokens == 12
         assert deltas[-1].num_prompt_tokens == len(want.prompt_token_ids)
         assert deltas[0].first_token_time_s is not None
-    assert stats.num_requests_finished == len(prompts) and stats.num_blocks_used == 0
-    assert stats.num_steps < len(prompts) * 12  # the streams really shared steps
+    assert stats.totals.num_requests_finished == len(prompts) and stats.pool.num_blocks_used == 0
+    assert stats.totals.num_steps < len(prompts) * 12  # the streams really shared steps
 
 
 @pytest.mark.parametrize("how", ["aclose", "cancel"])
@@ -117,7 +118,7 @@ def test_a_stream_that_goes_away_is_aborted_and_frees_its_blocks(engine: AsyncEn
                 await task
         survivor_deltas = await survivor_task
         after = await pool_state(engine)
-        num_generated = await engine.call(lambda e: e.stats().generation_tokens_total)
+        num_generated = await engine.call(lambda e: e.stats().totals.generation_tokens_total)
         assert not seen[-1].finished
         return during, after, sum(len(d.token_ids) for d in survivor_deltas), num_generated
 
@@ -175,7 +176,7 @@ def test_a_cancelled_pin_registration_leaves_nothing_behind(engine: AsyncEngine,
     async def main() -> tuple[int, tuple[int, int, int], int, int]:
         survivor = asyncio.create_task(collect(engine.add_request(
             EngineRequest(prompts[1], GREEDY))))
-        task = asyncio.create_task(engine.run_pin("doomed", tokens, None, {}))
+        task = asyncio.create_task(engine.run_pin(PinRequest("doomed", tokens)))
         while engine.pending()["streams"] < 2:
             await asyncio.sleep(0)
         task.cancel()
@@ -187,7 +188,7 @@ def test_a_cancelled_pin_registration_leaves_nothing_behind(engine: AsyncEngine,
             if engine.pending()["streams"] == 0 and engine.pending()["commands"] == 0:
                 break
             await asyncio.sleep(0.01)
-        num_results = await engine.call(lambda e: len(e.pin_results))
+        num_results = await engine.call(lambda e: len(e.pins.pending))
         num_pins = await engine.call(lambda e: len(e.pins.registry))
         return num_results, await pool_state(engine), num_pins, engine.pending()["streams"]
 
@@ -205,7 +206,7 @@ def test_an_idle_engine_waits_for_requests_still_arriving(engine: AsyncEngine,
     one = SamplingParams(temperature=0.0, max_tokens=1)
 
     async def steps_for(arriving: int) -> int:
-        before = await engine.call(lambda e: e.stats().num_steps)
+        before = await engine.call(lambda e: e.stats().totals.num_steps)
         engine.arriving = arriving
         first = asyncio.create_task(collect(engine.add_request(EngineRequest(prompts[0], one))))
         await asyncio.sleep(0.005)  # the second request is still being parsed meanwhile
@@ -213,7 +214,7 @@ def test_an_idle_engine_waits_for_requests_still_arriving(engine: AsyncEngine,
         engine.arriving = 0
         await first
         await second
-        return await engine.call(lambda e: e.stats().num_steps) - before
+        return await engine.call(lambda e: e.stats().totals.num_steps) - before
 
     assert run(lambda: steps_for(1)) == 1  # both prefilled in one step
 

@@ -169,7 +169,7 @@ def test_greedy_loops_with_speculation_end() -> None:
                                                    structured_outputs=params))
         assert out.finish_reason == "stop", (line, out.text)
         jsonschema.validate(json.loads(out.text), schema)
-    assert llm.engine.stats().spec_num_accepted_tokens > 0  # the drafts did ride
+    assert llm.engine.stats().spec.num_accepted_tokens > 0  # the drafts did ride
 
 
 def test_drafts_stop_short_of_the_guard(llm: LLM) -> None:

@@ -55,7 +55,7 @@ def test_kept_tail_makes_the_continuation_hit_token_exactly(tiny_model_factory):
         await engine.call(lambda e: e.tails.release_all(e.tails.request_ids))
         assert await engine.call(lambda e: len(e.tails)) == 0
         await engine.call(_check_references)
-        assert await engine.call(lambda e: e.stats().num_blocks_used) == 0
+        assert await engine.call(lambda e: e.stats().pool.num_blocks_used) == 0
 
     try:
         asyncio.run(go())

@@ -20,6 +20,7 @@ from agentd.kernels.decode_attention import reference_decode_attention, torch_de
 from agentd.kernels.kv_write import reference_write_kv
 from agentd.kernels.prefill_attention import reference_prefill_attention, torch_prefill_attention
 from agentd.llm import LLM
+from agentd.pins.pin_request import PinRequest
 from agentd.pins.snapshots import SnapshotMismatch, read_snapshot, write_snapshot
 
 NARROW = [pytest.param(torch.float16, id="fp16"), pytest.param(torch.bfloat16, id="bf16")]
@@ -141,7 +142,7 @@ def test_greedy_tokens_with_a_fp16_pool_are_the_fp32_pools(tiny_engines) -> None
 
 
 def _pin(engine: LLMEngine, name: str, token_ids: list[int]) -> None:
-    engine.add_pin(name, token_ids)
+    engine.add_pin(PinRequest(name, token_ids))
     while engine.has_unfinished_requests():
         engine.step()
 
@@ -160,7 +161,7 @@ def test_a_pin_snapshot_keeps_the_pool_dtype_and_another_dtype_refuses_it(
     assert torch.equal(loaded["kv"].view(torch.int16), payload["kv"].view(torch.int16))
 
     again = LLMEngine(engine.config, loaded=engine.loaded)  # a restart with the same settings
-    result = again.restore_pin("p", token_ids, loaded, None)
+    result = again.restore_pin(PinRequest("p", token_ids), loaded)
     assert result.error is None and result.pin is not None
     for old, new in zip(engine.runner.kv_caches, again.runner.kv_caches, strict=True):
         old_ids = engine.pins.registry.get("p").block_ids
@@ -170,8 +171,8 @@ def test_a_pin_snapshot_keeps_the_pool_dtype_and_another_dtype_refuses_it(
     other = "bfloat16" if name == "float16" else "float16"
     for wrong in (tiny_engines["float32"], tiny_engines[other]):
         with pytest.raises(SnapshotMismatch, match="another model, dtype or tokenizer"):
-            wrong.restore_pin("q", token_ids, loaded, None)
+            wrong.restore_pin(PinRequest("q", token_ids), loaded)
         forged = {**loaded, "fingerprint": wrong.fingerprint}  # the dtype check stands alone
         with pytest.raises(SnapshotMismatch, match="another --kv-cache-dtype"):
-            wrong.restore_pin("q", token_ids, forged, None)
+            wrong.restore_pin(PinRequest("q", token_ids), forged)
         assert "q" not in wrong.pins.registry

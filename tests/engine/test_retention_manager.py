@@ -87,8 +87,8 @@ def test_a_retained_prefix_survives_pressure_that_evicts_an_unmarked_one(tiny_ll
             await run(engine, unmarked_ids)
             assert (await run(engine, unmarked_ids)).num_cached_tokens > 1000  # cached, for now
             stats = engine.stats()
-            assert stats.num_retained == 1
-            assert stats.num_blocks_retained == len(held_ids) // 16
+            assert stats.pins.num_retained == 1
+            assert stats.pins.num_blocks_retained == len(held_ids) // 16
             await press(engine)
             held = await run(engine, prompt(engine, research, "another question"))
             unmarked = await run(engine, prompt(engine, coding, "another question"))
@@ -122,9 +122,9 @@ def test_a_hit_refreshes_the_hold_and_its_ttl_lets_it_decay(tiny_llama, research
             assert after.num_tokens_served == whole_blocks(num_held)
             assert after.expires_s > before.expires_s  # refreshed to now + TTL
             deadline = time.monotonic() + 30
-            while engine.stats().num_retained and time.monotonic() < deadline:
+            while engine.stats().pins.num_retained and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
-            assert engine.stats().num_retained == 0  # expired: decayed to ordinary LRU
+            assert engine.stats().pins.num_retained == 0  # expired: decayed to ordinary LRU
             # still cached (LRU) until pressure evicts it
             assert (await run(engine, system_ids)).num_cached_tokens >= whole_blocks(num_held)
             await press(engine)
@@ -150,14 +150,14 @@ def test_retention_shares_the_pin_budget_and_never_displaces_a_pin(tiny_llama, r
             info = await service.add(PinSpec("research", research["system"], research["tools"]))
             # the pin took its blocks; the retained prefix made room for it
             stats = engine.stats()
-            assert stats.num_pins == 1 and stats.num_blocks_pinned == info["num_blocks"]
-            assert stats.num_retained == 0
+            assert stats.pins.num_pins == 1 and stats.pins.num_blocks_pinned == info["num_blocks"]
+            assert stats.pins.num_retained == 0
             # now the pin leaves no room: a retention is refused, served as plain LRU, and the
             # pin stays whole
             refused = await run(engine, coding_ids, RetentionRequest(len(coding_ids), HOUR_S))
             assert refused.num_retained_tokens == 0
-            stats = engine.stats()
-            assert stats.num_retained == 0 and stats.num_blocks_pinned == info["num_blocks"]
+            pins = engine.stats().pins
+            assert pins.num_retained == 0 and pins.num_blocks_pinned == info["num_blocks"]
             await press(engine)
             hit = await run(engine, prompt(engine, research, "question"))
             assert hit.num_cached_tokens >= info["num_tokens"]

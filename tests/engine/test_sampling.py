@@ -169,7 +169,7 @@ def test_seeded_tokens_repeat_across_runs_and_batch_companions(
         (prompts[3], sampled(8, top_p=0.9)),
     ])
     assert with_companions[2] == alone
-    assert llm.engine.stats().num_blocks_used == 0
+    assert llm.engine.stats().pool.num_blocks_used == 0
 
 
 def test_different_seeds_give_different_tokens(llm: LLM, prompts: list[list[int]]) -> None:
@@ -231,7 +231,7 @@ def test_stop_string_truncates_text_and_is_the_reason(llm: LLM, prompts: list[li
     assert out.token_ids == greedy.token_ids[:len(out.token_ids)]
     assert stop in llm.tokenizer.decode(out.token_ids)
     assert stop not in llm.tokenizer.decode(out.token_ids[:-1])
-    assert llm.engine.stats().num_blocks_used == 0
+    assert llm.engine.stats().pool.num_blocks_used == 0
 
 
 def test_streamed_text_never_shows_part_of_a_stop_string(llm: LLM, prompts: list[list[int]],

@@ -120,7 +120,7 @@ def run_checked(llm: LLM, prompts: list[list[int]], params: SamplingParams | lis
             engine.kv_cache.pool.check_integrity()
     finally:
         engine.runner.execute = execute
-    assert engine.stats().num_blocks_used == 0
+    assert engine.stats().pool.num_blocks_used == 0
     return [tokens[rid] for rid in ids], steps
 
 
@@ -136,10 +136,10 @@ def test_greedy_with_drafts_equals_transformers_alone_batched_and_from_cache(cas
     assert batched == expected
     assert any(sum(1 for _, d in rows if d) > 1 for rows in steps)  # drafts of several rows
     stats = llm.engine.stats()
-    assert stats.prefix_cache_hits > 0
-    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    assert stats.scheduler.prefix_cache_hits > 0
+    assert 0 < stats.spec.num_accepted_tokens < stats.spec.num_draft_tokens
     # every third draft was right: those steps emitted NUM_DRAFT + 1 tokens
-    assert stats.num_steps < 2 * len(prompts) * MAX_TOKENS
+    assert stats.totals.num_steps < 2 * len(prompts) * MAX_TOKENS
 
 
 def test_greedy_with_drafts_over_an_fp16_pool_equals_greedy_without(case) -> None:
@@ -154,7 +154,7 @@ def test_greedy_with_drafts_over_an_fp16_pool_equals_greedy_without(case) -> Non
     batched, steps = run_checked(llm, prompts, GREEDY)
     assert batched == expected
     assert any(d for rows in steps for _, d in rows)
-    assert 0 < llm.engine.stats().spec_num_accepted_tokens
+    assert 0 < llm.engine.stats().spec.num_accepted_tokens
 
 
 def test_greedy_with_drafts_beside_prefill_chunks_and_under_preemption(case) -> None:
@@ -171,7 +171,7 @@ def test_greedy_with_drafts_beside_prefill_chunks_and_under_preemption(case) -> 
     pool_bytes = num_blocks * ModelRunner.kv_bytes_per_block(model, BLOCK_SIZE, torch.float32)
     small = planted_llm(path, continuations, kv_cache_memory_bytes=pool_bytes)
     outputs, _ = run_checked(small, prompts, GREEDY)
-    assert small.engine.stats().num_preemptions > 0
+    assert small.engine.stats().scheduler.num_preemptions > 0
     assert outputs == expected
 
 
@@ -230,8 +230,8 @@ def test_stops_and_streaming_are_as_without_speculation(llama, monkeypatch) -> N
             assert (delta.num_output_tokens, delta.finish_reason, delta.stop_reason) == (
                 len(ref.token_ids), ref.finish_reason, ref.stop_reason), extra
     assert truncations, "no stop string fell inside a step's accepted tokens"
-    assert llm.engine.stats().spec_num_accepted_tokens > 0
-    assert llm.engine.stats().num_blocks_used == 0
+    assert llm.engine.stats().spec.num_accepted_tokens > 0
+    assert llm.engine.stats().pool.num_blocks_used == 0
 
 
 @pytest.mark.parametrize("params", [dict(temperature=0.8), dict(temperature=1.0, top_p=0.9),
@@ -245,7 +245,7 @@ def test_a_seeded_request_gets_the_same_tokens_with_drafts(llama, params: dict) 
     got, _ = run_checked(llm, prompts, sampled)
     assert got == want
     stats = llm.engine.stats()
-    assert 0 < stats.spec_num_accepted_tokens < stats.spec_num_draft_tokens
+    assert 0 < stats.spec.num_accepted_tokens < stats.spec.num_draft_tokens
 
 
 # --- the distribution of sampled tokens --------------------------------------------------------
@@ -331,8 +331,8 @@ def test_sampled_drafts_keep_the_model_distribution(small_vocab_model: Path) -> 
         for tokens in outputs:
             counts[tokens[1], tokens[2]] += 1
     stats = llm.engine.stats()
-    assert stats.spec_num_drafts == NUM_DRAWS
-    acceptance = stats.spec_num_accepted_tokens / stats.spec_num_draft_tokens
+    assert stats.spec.num_drafts == NUM_DRAWS
+    acceptance = stats.spec.num_accepted_tokens / stats.spec.num_draft_tokens
     assert 0.2 < acceptance < 0.9
     exact = torch.einsum("a,ab,abc->bc", p1, p2, p3)
     p_value = chi_square_p_value(counts, exact)
@@ -372,7 +372,7 @@ def test_a_constrained_requests_mask_finds_its_row_after_anothers_drafts(llama) 
     assert rows[0] == [(first, NUM_DRAFT), (second, 0)]  # its prompt's row after the drafts
     assert all(d == 0 for step in rows for rid, d in step if rid == second)
     assert tokens[second] == solo.token_ids
-    assert engine.stats().num_blocks_used == 0
+    assert engine.stats().pool.num_blocks_used == 0
 
 
 @pytest.mark.parametrize("jump_forward", [True, False])
@@ -397,4 +397,4 @@ def test_constrained_drafts_keep_the_constrained_greedy_output(llama, jump_forwa
     got, _ = run_checked(llm, prompts, params)
     assert got == want
     stats = llm.engine.stats()
-    assert stats.spec_num_drafts > 0 and stats.spec_num_accepted_tokens > 0
+    assert stats.spec.num_drafts > 0 and stats.spec.num_accepted_tokens > 0

@@ -98,7 +98,7 @@ def test_jump_forward_skips_steps_and_keeps_outputs_valid(tiny_model_factory,
         llm = make_llm(tiny_model_factory, jump_forward=jump)
         outs = llm.generate(prompts, greedy(max_tokens=96, structured_outputs=CALLS))
         stats = llm.engine.stats()
-        results[jump] = (outs, stats.num_steps, stats.num_jump_forward_tokens)
+        results[jump] = (outs, stats.totals.num_steps, stats.num_jump_forward_tokens)
         for out in outs:
             assert out.finish_reason == "stop" and out.text.startswith("<tool_call>\n{\"name\"")
     (_, steps_jf, forced), (_, steps_plain, none) = results[True], results[False]

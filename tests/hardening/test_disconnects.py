@@ -134,11 +134,11 @@ def test_a_finished_stream_ends_and_closing_it_is_a_no_op(tiny) -> None:
         deltas = [d async for d in stream]
         assert deltas[-1].finished and stream.done
         assert [d async for d in stream] == []  # exhausted stays exhausted
-        before = await engine.call(lambda e: e.stats().num_requests_finished)
+        before = await engine.call(lambda e: e.stats().totals.num_requests_finished)
         await stream.aclose()
         stream.abort()
         await wait_engine_idle(engine)
-        assert await engine.call(lambda e: e.stats().num_requests_finished) == before
+        assert await engine.call(lambda e: e.stats().totals.num_requests_finished) == before
 
     run(engine, main)
 

@@ -57,7 +57,7 @@ def test_greedy_chat_completions_equal_transformers_generate(llm: LLM, hf_model)
         expected = generated[0, len(prompt):].tolist()
         assert out.token_ids == expected, tokenizer.decode(expected)
         assert out.text.strip()  # an instruct model answers in words
-    assert llm.engine.stats().num_blocks_used == 0
+    assert llm.engine.stats().pool.num_blocks_used == 0
 
 
 def long_prompts(tokenizer) -> tuple[list[int], list[int]]:
@@ -90,13 +90,13 @@ def test_cached_2000_token_prefix_runs_only_the_remaining_tokens(llm: LLM) -> No
     engine.runner.execute = recording_execute
     # one token per decode step: speculation off (its steps: test_prompt_lookup_drafts_...)
     speculator, engine.speculator = engine.speculator, Speculator()
-    before = engine.stats().num_model_tokens
+    before = engine.stats().totals.num_model_tokens
     try:
         warm = llm.generate([second], params)[0]
     finally:
         engine.runner.execute = execute
         engine.speculator = speculator
-    processed = engine.stats().num_model_tokens - before
+    processed = engine.stats().totals.num_model_tokens - before
 
     assert warm.num_cached_tokens >= 1984
     assert warm.num_cached_tokens == PREFIX_LEN
@@ -114,7 +114,7 @@ def test_cached_2000_token_prefix_runs_only_the_remaining_tokens(llm: LLM) -> No
     while uncached.has_unfinished_requests():
         for delta in uncached.step():
             token_ids.extend(delta.token_ids)
-    assert uncached.stats().num_model_tokens == len(second) + NUM_LONG_TOKENS - 1
+    assert uncached.stats().totals.num_model_tokens == len(second) + NUM_LONG_TOKENS - 1
     assert token_ids == warm.token_ids
 
 
@@ -153,10 +153,10 @@ def test_prompt_lookup_drafts_leave_greedy_output_unchanged(llm: LLM, hf_model) 
     after = engine.stats()
     assert [out.token_ids for out in alone] == expected
     assert alone[1].num_cached_tokens > 800  # the system prompt and tools
-    accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+    accepted = after.spec.num_accepted_tokens - before.spec.num_accepted_tokens
     num_tokens = sum(len(out.token_ids) for out in alone)
     assert accepted >= num_tokens // 4
-    assert after.num_steps - before.num_steps <= num_tokens - accepted
+    assert after.totals.num_steps - before.totals.num_steps <= num_tokens - accepted
     assert [out.token_ids for out in llm.generate(prompts, params)] == expected
 
     speculator, engine.speculator = engine.speculator, Speculator()  # --speculative off
@@ -164,4 +164,4 @@ def test_prompt_lookup_drafts_leave_greedy_output_unchanged(llm: LLM, hf_model) 
         assert [out.token_ids for out in llm.generate(prompts, params)] == expected
     finally:
         engine.speculator = speculator
-    assert engine.stats().num_blocks_used == 0
+    assert engine.stats().pool.num_blocks_used == 0

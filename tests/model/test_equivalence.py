@@ -157,7 +157,7 @@ def test_greedy_one_prompt_at_a_time_matches_transformers(case: Case) -> None:
         out = llm.generate([prompt], GREEDY)[0]
         assert out.token_ids == expected
         assert out.finish_reason == "length" and out.num_cached_tokens == 0
-    assert llm.engine.stats().num_blocks_used == 0
+    assert llm.engine.stats().pool.num_blocks_used == 0
 
 
 def test_greedy_in_one_batch_then_again_from_the_prefix_cache(case: Case) -> None:
@@ -179,7 +179,7 @@ def test_greedy_in_one_batch_then_again_from_the_prefix_cache(case: Case) -> Non
     prefill = recorder.steps[num_steps]
     assert [(start, n) for _, start, n in prefill] == [
         (cached, len(p) - cached) for cached, p in zip(expected_cached, case.prompts, strict=True)]
-    assert llm.engine.stats().num_blocks_used == 0
+    assert llm.engine.stats().pool.num_blocks_used == 0
 
 
 def test_greedy_from_blocks_moved_so_that_tables_stay_consecutive(case: Case) -> None:
@@ -207,7 +207,7 @@ def test_greedy_from_blocks_moved_so_that_tables_stay_consecutive(case: Case) ->
     assert table == list(range(table[0], table[0] + len(table)))
     # every full block of the first turn's prompt hit, the moved one included
     assert again.num_cached_tokens == (len(turns[0]) - 1) // BLOCK_SIZE * BLOCK_SIZE
-    assert llm.engine.stats().num_blocks_used == 0
+    assert llm.engine.stats().pool.num_blocks_used == 0
     llm.engine.kv_cache.pool.check_integrity()
 
 
@@ -219,10 +219,11 @@ def test_greedy_with_a_pool_so_small_that_requests_are_preempted(case: Case) -> 
     assert llm.engine.num_blocks == num_blocks
     outputs = llm.generate(case.prompts, GREEDY)
     stats = llm.engine.stats()
-    assert stats.num_preemptions > 0
+    assert stats.scheduler.num_preemptions > 0
     assert tokens(outputs) == case.expected
     assert [out.finish_reason for out in outputs] == ["length"] * len(case.prompts)
-    assert stats.num_blocks_used == 0 and stats.num_blocks_free + stats.num_blocks_cached == 24
+    pool = stats.pool
+    assert pool.num_blocks_used == 0 and pool.num_blocks_free + pool.num_blocks_cached == 24
 
 
 def test_greedy_when_decode_rows_share_steps_with_prefill_chunks(case: Case) -> None:
@@ -275,7 +276,7 @@ def test_bfloat16_serves_batches_chunks_and_preemption(case: Case) -> None:
               max_num_batched_tokens=48)
     outputs = llm.generate(case.prompts, GREEDY)
     stats = llm.engine.stats()
-    assert stats.num_preemptions > 0
+    assert stats.scheduler.num_preemptions > 0
     assert [len(out.token_ids) for out in outputs] == [MAX_TOKENS] * len(case.prompts)
     # bf16 rounding flips some greedy choices of these random models (whole 16-token outputs
     # matched the fp32 oracle for only 1-4 of 9 prompts), but the first token, computed by one
@@ -283,4 +284,4 @@ def test_bfloat16_serves_batches_chunks_and_preemption(case: Case) -> None:
     first_agree = sum(out.token_ids[0] == expected[0]
                       for out, expected in zip(outputs, case.expected, strict=True))
     assert first_agree >= len(case.prompts) - 2
-    assert stats.num_blocks_used == 0
+    assert stats.pool.num_blocks_used == 0

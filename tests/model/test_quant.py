@@ -175,7 +175,7 @@ def test_each_weight_format_serves_a_tiny_model(weights: str, tiny_model_factory
         layer.max_kernel_rows = 0
     expected = [o.token_ids for o in exact.generate(prompts, params)]
     assert [o.token_ids for o in llm.generate(prompts, params)] == expected
-    assert llm.engine.stats().num_blocks_used == 0
+    assert llm.engine.stats().pool.num_blocks_used == 0
 
 
 def test_weights_auto_picks_an_accurate_format_and_bad_pairs_fail(tiny_model_factory) -> None:

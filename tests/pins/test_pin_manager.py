@@ -21,6 +21,7 @@ from agentd.engine.request import EngineRequest
 from agentd.engine.sampling_params import SamplingParams
 from agentd.llm import LLM
 from agentd.pins.near_miss import CLAUDE_CODE_FIX, CLAUDE_CODE_HEADER
+from agentd.pins.pin_request import PinRequest
 from agentd.pins.service import PinService, PinSpec, pin_token_ids
 
 BLOCK_BYTES_TINY_LLAMA = 2 * 2 * 16 * 2 * 16 * 4  # layers * K/V * block * kv heads * dim * fp32
@@ -83,7 +84,7 @@ def test_pin_hits_for_any_user_message(tiny_llama, research, tmp_path):
             last, _ = await chat(engine, research["system"], "Hi", shuffled)
             assert last.num_cached_tokens >= info["num_tokens"]
             stats = engine.stats()
-            assert stats.num_pins == 1 and stats.num_blocks_pinned == info["num_blocks"]
+            assert stats.pins.num_pins == 1 and stats.pins.num_blocks_pinned == info["num_blocks"]
             with pytest.raises(PinExistsError):
                 await service.add(PinSpec("research", "other", None))
         finally:
@@ -116,7 +117,7 @@ def test_pin_survives_pool_pressure_while_unpinned_prefix_is_evicted(tiny_llama,
             evicted, _ = await chat(engine, support["system"], support["turns"][2])
             assert evicted.num_cached_tokens < 100  # only what the chat template shares
             stats = engine.stats()
-            assert stats.num_blocks_pinned == info["num_blocks"]
+            assert stats.pins.num_blocks_pinned == info["num_blocks"]
             await engine.call(lambda e: e.kv_cache.pool.check_integrity())
         finally:
             engine.shutdown()
@@ -135,9 +136,10 @@ def test_pin_over_budget_is_refused_and_changes_nothing(tiny_llama, research, tm
             assert err.value.status == 409
             assert "102" in str(err.value)  # the budget in blocks: 10% of 1024
             after = await engine.call(lambda e: e.stats())
-            assert after.num_pins == 0 and after.num_blocks_pinned == 0
-            assert after.num_blocks_used == 0
-            assert after.prompt_tokens_total == before.prompt_tokens_total  # no prefill ran
+            assert after.pins.num_pins == 0 and after.pins.num_blocks_pinned == 0
+            assert after.pool.num_blocks_used == 0
+            # no prefill ran
+            assert after.totals.prompt_tokens_total == before.totals.prompt_tokens_total
             assert not (tmp_path / "pins.json").exists()
         finally:
             engine.shutdown()
@@ -155,10 +157,10 @@ def test_ttl_decays_to_ordinary_lru_blocks(tiny_llama, research, tmp_path):
             await asyncio.sleep(0.8)
             assert await service.list() == []
             stats = engine.stats()
-            assert stats.num_blocks_pinned == 0 and stats.num_blocks_used == 0
+            assert stats.pins.num_blocks_pinned == 0 and stats.pool.num_blocks_used == 0
             # decayed, not dropped: its full blocks stay cached (a partial tail block is never
             # cached; it is freed)
-            assert stats.num_blocks_cached >= info["num_blocks"] - (info["tail_tokens"] > 0)
+            assert stats.pool.num_blocks_cached >= info["num_blocks"] - (info["tail_tokens"] > 0)
             saved = json.loads((tmp_path / "pins.json").read_text())
             assert saved["pins"] == []
         finally:
@@ -396,7 +398,7 @@ def test_a_pins_partial_last_block_is_served_too(tiny_llama, research, tmp_path)
             assert (await engine.check_integrity()).ok
             await service.remove("research")
             stats = engine.stats()
-            assert stats.num_blocks_used == 0 and stats.num_blocks_pinned == 0
+            assert stats.pool.num_blocks_used == 0 and stats.pins.num_blocks_pinned == 0
             assert (await engine.check_integrity()).ok
             return system, tokens
         finally:
@@ -468,7 +470,7 @@ def tail_pinned(tiny_model_factory, research) -> TailPin:
                  kv_cache_memory_bytes=256 * BLOCK_BYTES_TINY_LLAMA)
     system, tail = system_with_tail(pinned, research["system"], min_tail=5)
     pin_ids = pin_token_ids(pinned.tokenizer, system, None)
-    pinned.engine.add_pin("p", pin_ids)
+    pinned.engine.add_pin(PinRequest("p", pin_ids))
     while pinned.engine.has_unfinished_requests():
         pinned.engine.step()
     assert pinned.engine.pins.registry.get("p").tail_token_ids == pin_ids[-tail:]

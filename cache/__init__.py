@@ -27,7 +27,7 @@ from .kv_events import (
     blocks_digest,
     replay,
 )
-from .pins import (
+from .pin_registry import (
     Pin,
     PinBudgetError,
     PinCounts,

@@ -1,9 +1,9 @@
 """Engine-side retention: hold a request's prefix once its KV is computed, refresh retained
 prefixes on every hit, let them decay at their expiry, and copy their numbers for observers.
 
-Runs on the engine thread only; the scheduler never sees retention (it is references held in the
-pin registry, :mod:`agentd.cache.pins`, in the pin budget). Invariants: a prefix is retained only
-once every one of its blocks holds computed KV (it is looked up in the prefix cache, which
+Runs on the engine thread only; the scheduler never sees retention (it is references held in the pin
+registry, :mod:`agentd.cache.pin_registry`, in the pin budget). Invariants: a prefix is retained
+only once every one of its blocks holds computed KV (it is looked up in the prefix cache, which
 registers computed full blocks only); a retained prefix covers whole blocks (the tokens past the
 last full block are recomputed by the next request); retained prefixes live in memory only — a
 restart forgets them, as Anthropic's cache does — while pins are saved.

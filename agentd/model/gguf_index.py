@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from agentd.kernels import cpu as ggml
-from agentd.model.errors import ModelLoadError
+from agentd.model.load_errors import ModelLoadError
 
 # Value types of GGUF metadata: struct code per scalar type; 8 is a string, 9 an array.
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q",

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agentd.model.errors import ModelLoadError, UnsupportedModelError
+from agentd.model.load_errors import ModelLoadError, UnsupportedModelError
 from agentd.model.paths import default_cache_dir
 
 if TYPE_CHECKING:

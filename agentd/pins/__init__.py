@@ -1,7 +1,7 @@
 """Pins: named prefixes whose KV is never evicted and survives restarts.
 
 - ``manager``: the engine side (prefill, restore, hits and near misses), on the engine thread;
-  the registry of held blocks itself is ``agentd.cache.pins`` (pure Python, no torch).
+  the registry of held blocks itself is ``agentd.cache.pin_registry`` (pure Python, no torch).
 - ``service``: the daemon side (template-aware tokens, tenants, persistence, restore at start).
 - ``registry_file``: ``pins.json`` (atomic, with a backup); ``snapshots``: the KV files.
 - ``near_miss``: requests that almost hit a pin, and why they missed.

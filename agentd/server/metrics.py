@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import generate_latest
 
-from agentd.server.stats import RecentRequests
+from agentd.server.stats_report import RecentRequests
 
 if TYPE_CHECKING:
     from agentd.engine.llm_engine import EngineStats

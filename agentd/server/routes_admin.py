@@ -19,7 +19,7 @@ from agentd import __version__
 from agentd.server.auth import require_metrics_access, require_operator
 from agentd.server.metrics import CONTENT_TYPE
 from agentd.server.state import server_of
-from agentd.server.stats import stats_report
+from agentd.server.stats_report import stats_report
 from agentd.server.web_guard import require_local_token
 
 

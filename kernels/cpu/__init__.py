@@ -28,7 +28,7 @@ import torch
 
 from agentd.kernels._common import matmul_dtype
 from agentd.kernels.cpu import _build, _fallback
-from agentd.kernels.cpu.formats import GGML_TYPES, GgmlType, row_bytes
+from agentd.kernels.cpu.block_formats import GGML_TYPES, GgmlType, row_bytes
 
 __all__ = ["GGML_TYPES", "GgmlType", "active_isa", "available_isas", "build", "dequantize",
            "get_rows", "linear", "linear_multi", "native_available", "native_unavailable_reason",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from agentd.kernels.cpu.formats import ggml_type
+from agentd.kernels.cpu.block_formats import ggml_type
 
 _HALF_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from agentd.kernels.cpu.formats import ACT_BLOCK, ACT_Q8_32, ACT_Q8_256, ggml_type, row_bytes
+from agentd.kernels.cpu.block_formats import ACT_BLOCK, ACT_Q8_32, ACT_Q8_256, ggml_type, row_bytes
 
 ACT_DTYPES = {
     ACT_Q8_32: np.dtype([("d", "<f4"), ("s", "<f4"), ("qs", "i1", (32,))]),

@@ -1,5 +1,5 @@
 """Retained prefixes in the pin budget: holds with an expiry, refreshed on use, decaying least
-recently used first, never displacing a pin (cache/retained.py, cache/pins.py)."""
+recently used first, never displacing a pin (cache/retained.py, cache/pin_registry.py)."""
 
 from __future__ import annotations
 

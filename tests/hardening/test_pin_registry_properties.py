@@ -1,14 +1,13 @@
 """Property test: random pin / unpin / hit / expire / pool-pressure sequences on ``PinRegistry``
-keep its invariants (cache/pins.py): a pin holds exactly one reference on each of its blocks, so
-every block's ref count equals its owners (live requests + pins holding it); distinct pinned
-blocks never exceed the budget; pinned blocks are never evicted however hard the pool is pressed;
-a refused pin (name taken, over budget) changes nothing; ``match`` returns the longest pin whose
-whole chain starts a request's; TTLs expire exactly the pins idle longer than their TTL; and
+keep its invariants (cache/pin_registry.py): a pin holds exactly one reference on each of its
+blocks, so every block's ref count equals its owners (live requests + pins holding it); distinct
+pinned blocks never exceed the budget; pinned blocks are never evicted however hard the pool is
+pressed; a refused pin (name taken, over budget) changes nothing; ``match`` returns the longest pin
+whose whole chain starts a request's; TTLs expire exactly the pins idle longer than their TTL; and
 unpinning everything returns the pool to all-free. Retained prefixes (cache control) share the
-budget: pins and retained prefixes together never hold more than it, a retention only ever
-displaces retained prefixes used less recently than those it keeps, never a pin, and a refused
-one changes nothing. (The block pool and the KV cache manager have their own state machines in
-tests/cache.)
+budget: pins and retained prefixes together never hold more than it, a retention only ever displaces
+retained prefixes used less recently than those it keeps, never a pin, and a refused one changes
+nothing. (The block pool and the KV cache manager have their own state machines in tests/cache.)
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import torch
 
 import agentd.kernels.cpu as cpu
 from agentd.kernels.cpu import _build, reference
-from agentd.kernels.cpu.formats import ACT_Q8_32, ACT_Q8_256, GGML_TYPES
+from agentd.kernels.cpu.block_formats import ACT_Q8_32, ACT_Q8_256, GGML_TYPES
 
 NATIVE_ISAS = ["avx512_vnni", "avx2", "scalar"]
 

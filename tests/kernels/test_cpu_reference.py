@@ -16,7 +16,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
 from agentd.kernels.cpu import _fallback, reference
-from agentd.kernels.cpu.formats import ACT_Q8_32, ACT_Q8_256, GGML_TYPES
+from agentd.kernels.cpu.block_formats import ACT_Q8_32, ACT_Q8_256, GGML_TYPES
 
 TYPES = list(GGML_TYPES)
 

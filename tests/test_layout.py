@@ -1,6 +1,8 @@
-"""The import graph of agentd runs one way: no module imports, however indirectly, a module that
-imports it back. Read from the source with ``ast``: every ``import`` of an agentd module, lazy
-ones inside functions and those for annotations alone (under ``TYPE_CHECKING``) included."""
+"""The tree's layout holds: the import graph of agentd runs one way (no module imports, however
+indirectly, a module that imports it back; read from the source with ``ast``: every ``import``
+of an agentd module, lazy ones inside functions and those for annotations alone, under
+``TYPE_CHECKING``, included), no two modules share a basename, and no source file of the
+packages is over ``MAX_LINES`` lines (C++ headers included)."""
 
 from __future__ import annotations
 
@@ -78,3 +80,29 @@ def test_the_import_graph_has_no_cycles() -> None:
 def test_the_cycle_finder_finds_a_cycle() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+MAX_LINES = 500
+SOURCE_SUFFIXES = (".py", ".h", ".cpp")
+
+
+def sources() -> list[Path]:
+    return sorted(path for directory in PACKAGES.values() for path in directory.rglob("*")
+                  if path.suffix in SOURCE_SUFFIXES and "__pycache__" not in path.parts)
+
+
+def test_no_two_modules_share_a_basename() -> None:
+    seen: dict[str, list[str]] = {}
+    for path in sources():
+        if path.name != "__init__.py":
+            seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert len(seen) > 100, "the tree was not read"
+    shared = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not shared, shared
+
+
+def test_no_source_file_is_longer_than_the_limit() -> None:
+    lengths = {str(path.relative_to(ROOT)): len(path.read_text().splitlines())
+               for path in sources()}
+    assert max(lengths.values()) > MAX_LINES // 2, "the tree was not read"
+    assert not {p: n for p, n in lengths.items() if n > MAX_LINES}

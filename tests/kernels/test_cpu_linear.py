@@ -18,7 +18,7 @@ import torch
 
 import agentd.kernels.cpu as cpu
 from agentd.kernels.cpu import reference
-from agentd.kernels.cpu.formats import ACT_BLOCK, ACT_KIND, GGML_TYPES
+from agentd.kernels.cpu.block_formats import ACT_BLOCK, ACT_KIND, GGML_TYPES
 
 # (rows, K) per block size: ragged row counts; K = 160 is no multiple of 256.
 SHAPES = {32: [(1, 160), (7, 512), (33, 160), (100, 96)],

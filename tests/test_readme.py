@@ -1,7 +1,8 @@
 """The README's commands work as written on a fresh machine, in order.
 
-Every ``$`` command of every console block in README.md and examples/agents/README.md runs
-through ``.venv/bin/`` (what ``bash .ci/setup`` makes) or names a file of the repository; the
+Every ``$`` command of every console block in README.md, examples/agents/README.md and the
+reference pages docs/*.md runs through ``.venv/bin/`` (what ``bash .ci/setup`` makes) or names a
+file of the repository (a page without a console block has no command to check); the
 agents quickstart itself runs, command by command as the README spells them, against a real
 daemon. Its environment only moves the daemon off the user's own: a free port, its own state
 dir, and a tiny model (so it is quick; ``AGENTD_MODEL`` is one of ``agentd start``'s documented
@@ -20,7 +21,9 @@ import pytest
 from agentd.bench.spawn import child_environ
 
 ROOT = Path(__file__).resolve().parents[1]
-READMES = [ROOT / "README.md", ROOT / "examples" / "agents" / "README.md"]
+DOCS = sorted((ROOT / "docs").glob("*.md"))
+READMES = [ROOT / "README.md", ROOT / "examples" / "agents" / "README.md",
+           *(page for page in DOCS if "```console" in page.read_text())]
 QUICKSTART = "## Agents quickstart"
 _BLOCK = re.compile(r"^```console\n(.*?)^```", re.S | re.M)
 

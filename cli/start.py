@@ -92,9 +92,9 @@ def _option(name: str, **kwargs: Any) -> Any:
               "own blocks, memory-mapped, through agentd's CPU kernels (no fp32 copy; the "
               "default for a .gguf passed with --model; on the default model it serves its Q4_1 "
               "file as shipped). int4: a GGUF's 4-bit groups as they are; auto: the fastest "
-              "format here that passed the accuracy bar (README, Weight formats). --weights "
-              "float32 --dtype float32 is the exact mode. [default: gguf for a .gguf file on "
-              "the CPU, else the same as --dtype]")
+              "format here that passed the accuracy bar (docs/weights.md, Weight formats). "
+              "--weights float32 --dtype float32 is the exact mode. [default: gguf for a .gguf "
+              "file on the CPU, else the same as --dtype]")
 @_option("--prefill-weights", default=_DEFAULTS["prefill_weights"],
          type=click.Choice(["keep", "dequantize"]),
          help="With low-precision --weights, how prefill chunks and other big steps multiply: "

@@ -245,8 +245,8 @@ def load_model(config: EngineConfig) -> LoadedModel:
     if config.weights is None and device.type == "cpu" and weights == "float32":
         logger.info("decode reads every weight once per token: --weights auto keeps the "
                     "weights in the fastest accurate low-precision format measured here (int4 "
-                    "holds a Q4 GGUF's own groups) and leaves prefill as it is; README, Weight "
-                    "formats, gives its accuracy")
+                    "holds a Q4 GGUF's own groups) and leaves prefill as it is; docs/weights.md, "
+                    "Weight formats, gives its accuracy")
     if config.dtype == "auto" and dtype == torch.float32 and weights == "float32" and \
             matmul_dtype(torch.bfloat16, device) == torch.bfloat16:
         logger.info("this CPU has bfloat16 GEMMs: --dtype bfloat16 is faster (prefill ~2x on "

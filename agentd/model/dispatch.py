@@ -36,8 +36,8 @@ logger = logging.getLogger("agentd")
 
 WEIGHT_FORMATS = ("float32", "bfloat16", "float16", "int8", "int4")
 # Formats whose greedy continuations matched the exact mode on >= 60% of the 24 agent prompts,
-# batched and alone, and whose logits stayed within the bf16-derived bound (README, "Weight
-# formats"; AMX, then AVX2): int4 75% / 71%, 83% / 79%; float16 96% / 96% on both; bfloat16
+# batched and alone, and whose logits stayed within the bf16-derived bound (docs/weights.md,
+# "Weight formats"; AMX, then AVX2): int4 75% / 71%, 83% / 79%; float16 96% / 96% on both; bfloat16
 # (50% batched on AMX, 58% on AVX2) and int8 (29%, 25% batched) miss it.
 ACCURATE_FORMATS = ("int4", "float16")
 CALIBRATION_ROWS = (1, 4, 8, 16, 32, 64, 128)

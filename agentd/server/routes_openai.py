@@ -1,10 +1,10 @@
 """The OpenAI-compatible routes: ``/v1/chat/completions``, ``/v1/completions``, ``/v1/models``.
 
 Invariant: handlers only validate, call the engine client and shape the reply; everything about
-prompts and replies lives in the wires (``wires.openai_chat`` / ``wires.chat_out``,
-``wires.openai_completions``), and planning runs in a worker thread (``intake``: a long prompt
-never stalls the event loop). A non-streamed request
-whose client disconnects is aborted like a streamed one. Requests are submitted before the
+prompts and replies lives in the wires (``wires.chat_plan`` / ``wires.chat_reply``,
+``wires.completions_plan`` / ``wires.completions_reply``), and planning runs in a worker thread
+(``wires.intake``: a long prompt never stalls the event loop). A non-streamed request whose client
+disconnects is aborted like a streamed one. Requests are submitted before the
 reply starts, so a full queue is a 503 with ``Retry-After`` for streams too.
 """
 

@@ -10,11 +10,11 @@ logits check runs even the prefill through the kernel). ``--weights auto`` choos
 ``ACCURATE_FORMATS``: the test fails if a listed format misses the bar or an unlisted one meets
 it, so the list is what was measured.
 
-The whole sweep (24 prompts x 32 tokens per format, batched and one at a time) is a measurement
-of minutes on 2 cores: it runs with ``pytest -m full`` (README, "Weight formats"), after any
+The whole sweep (24 prompts x 32 tokens per format, batched and one at a time) is a measurement of
+minutes on 2 cores: it runs with ``pytest -m full`` (docs/weights.md, "Weight formats"), after any
 change to attention, norms or a format's kernel. CI keeps its first check for the listed formats,
-one prefill each: their logits within the bound (the check a broken kernel or an LM head
-quantized to 4 bits misses by far); each format serving a tiny model is tests/model/test_quant.py.
+one prefill each: their logits within the bound (the check a broken kernel or an LM head quantized
+to 4 bits misses by far); each format serving a tiny model is tests/model/test_quant.py.
 """
 
 from __future__ import annotations
@@ -167,4 +167,4 @@ def test_weight_format_against_the_accuracy_bar(weights: str, exact, logit_bound
         alone is not None and alone >= MIN_SAME
     assert passes == (weights in ACCURATE_FORMATS), (
         f"{weights} {'meets' if passes else 'misses'} the bar: update ACCURATE_FORMATS only "
-        "with the measured figures in README")
+        "with the measured figures in docs/weights.md")

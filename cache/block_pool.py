@@ -4,127 +4,22 @@ Invariant: every block is in exactly one of {free queue (ref_cnt == 0), referenc
 (ref_cnt > 0)}; ref counts never go negative; the hash map points only at blocks whose
 ``block_hash`` equals the key, and every hashed block is in the map. A pinned block holds a
 reference, so it never enters the free queue and can never be evicted. Every change to the map is
-reported to the pool's ``events`` sink as it happens (:mod:`.kv_events`).
+reported to the pool's ``events`` sink as it happens (:mod:`.kv_events`). A block has a
+``KVBlock`` from its first use on (:mod:`.free_queue`): the pool's memory grows with the blocks
+used, never with ``num_blocks`` (a pool sized for a large budget costs nothing until it fills).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from .free_queue import FreeBlockQueue, KVBlock, NoFreeBlocksError
 from .hashing import BlockHash
 from .kv_events import NULL_KV_EVENTS, KVEventSink
 
-
-@dataclass(slots=True)
-class KVBlock:
-    """Bookkeeping for one physical KV block; the runner owns the memory."""
-
-    block_id: int
-    ref_cnt: int = 0
-    block_hash: BlockHash | None = None
-    prev_free: KVBlock | None = None
-    next_free: KVBlock | None = None
-
-
-class NoFreeBlocksError(RuntimeError):
-    """Raised when an allocation asks for more blocks than the free queue holds."""
-
-
-class FreeBlockQueue:
-    """Intrusive doubly linked list of free blocks: O(1) pop, append and remove.
-
-    Head is evicted first (LRU); the links live on the blocks themselves.
-    """
-
-    def __init__(self, blocks: Sequence[KVBlock]) -> None:
-        self._head: KVBlock | None = None
-        self._tail: KVBlock | None = None
-        self._num_blocks = 0
-        for block in blocks:
-            self.append(block)
-
-    def __len__(self) -> int:
-        return self._num_blocks
-
-    def __iter__(self) -> Iterator[KVBlock]:
-        block = self._head
-        while block is not None:
-            yield block
-            block = block.next_free
-
-    def popleft(self) -> KVBlock:
-        """Remove and return the head block (the next to reuse)."""
-        block = self._head
-        if block is None:
-            raise NoFreeBlocksError("the free block queue is empty")
-        self.remove(block)
-        return block
-
-    def append(self, block: KVBlock) -> None:
-        """Put a block at the tail (reused last)."""
-        block.prev_free, block.next_free = self._tail, None
-        if self._tail is None:
-            self._head = block
-        else:
-            self._tail.next_free = block
-        self._tail = block
-        self._num_blocks += 1
-
-    def appendleft(self, block: KVBlock) -> None:
-        """Put a block at the head (reused first)."""
-        block.prev_free, block.next_free = None, self._head
-        if self._head is None:
-            self._tail = block
-        else:
-            self._head.prev_free = block
-        self._head = block
-        self._num_blocks += 1
-
-    def replace(self, old: KVBlock, new: KVBlock) -> None:
-        """Put ``new`` (not queued) where ``old`` (queued) is, and unlink ``old``."""
-        new.prev_free, new.next_free = old.prev_free, old.next_free
-        if old.prev_free is None:
-            self._head = new
-        else:
-            old.prev_free.next_free = new
-        if old.next_free is None:
-            self._tail = new
-        else:
-            old.next_free.prev_free = new
-        old.prev_free = old.next_free = None
-
-    def remove(self, block: KVBlock) -> None:
-        """Unlink a block that is in the queue, from anywhere in it."""
-        if block.prev_free is None:
-            if self._head is not block:
-                raise ValueError(f"block {block.block_id} is not in the free queue")
-            self._head = block.next_free
-        else:
-            block.prev_free.next_free = block.next_free
-        if block.next_free is None:
-            self._tail = block.prev_free
-        else:
-            block.next_free.prev_free = block.prev_free
-        block.prev_free = block.next_free = None
-        self._num_blocks -= 1
-
-    def block_ids(self) -> list[int]:
-        """Return the queued block ids, head to tail."""
-        return [block.block_id for block in self]
-
-    def check_links(self) -> None:
-        """Raise AssertionError if the links or the length are inconsistent."""
-        prev: KVBlock | None = None
-        num_seen = 0
-        for block in self:
-            assert block.prev_free is prev, f"free queue: bad prev link at block {block.block_id}"
-            prev = block
-            num_seen += 1
-            assert num_seen <= self._num_blocks, "free queue: longer than its length (a cycle?)"
-        assert prev is self._tail, "free queue: tail does not match the last block"
-        assert num_seen == self._num_blocks, f"free queue: length {self._num_blocks} != {num_seen}"
+__all__ = ["BlockPool", "FreeBlockQueue", "KVBlock", "NoFreeBlocksError", "PoolStats"]
 
 
 @dataclass(frozen=True)
@@ -148,14 +43,15 @@ class BlockPool:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.enable_caching = enable_caching
         self.events = events
-        self._blocks = [KVBlock(block_id) for block_id in range(num_blocks)]
-        self._free_queue = FreeBlockQueue(self._blocks)
+        self._num_blocks = num_blocks
+        self._blocks: dict[int, KVBlock] = {}  # the blocks used so far, by id
+        self._free_queue = FreeBlockQueue(fresh=range(num_blocks))
         self._cached_block_ids: dict[BlockHash, int] = {}
         self._num_cached_free = 0
 
     @property
     def num_blocks(self) -> int:
-        return len(self._blocks)
+        return self._num_blocks
 
     @property
     def num_free(self) -> int:
@@ -182,10 +78,24 @@ class BlockPool:
                          self.num_cached_free, self.num_used, self.usage)
 
     def ref_cnt(self, block_id: int) -> int:
-        return self._blocks[block_id].ref_cnt
+        block = self._used(block_id)
+        return 0 if block is None else block.ref_cnt
 
     def block_hash(self, block_id: int) -> BlockHash | None:
-        return self._blocks[block_id].block_hash
+        block = self._used(block_id)
+        return None if block is None else block.block_hash
+
+    def _used(self, block_id: int) -> KVBlock | None:
+        """The block of ``block_id``; None for one never used (free, empty, no object yet)."""
+        block = self._blocks.get(block_id)
+        if block is None and not 0 <= block_id < self._num_blocks:
+            raise IndexError(f"block id {block_id} is not in a pool of {self._num_blocks}")
+        return block
+
+    def _first_use(self, block: KVBlock) -> KVBlock:
+        """Keep ``block``, out of the free queue, as its id's from now on."""
+        self._blocks[block.block_id] = block
+        return block
 
     def free_block_ids(self) -> list[int]:
         """Return the free queue's block ids, head (next allocated) to tail."""
@@ -239,14 +149,15 @@ class BlockPool:
 
     def _take(self, wanted_id: int | None, move: Callable[[int, int], None] | None) -> KVBlock:
         """A free block out of the queue, hash-free: ``wanted_id`` where it can be (allocate)."""
-        wanted = (self._blocks[wanted_id] if wanted_id is not None and wanted_id < len(self._blocks)
-                  else None)
+        wanted = None if wanted_id is None else self._blocks.get(wanted_id)
+        if wanted is None and wanted_id is not None and self._free_queue.is_fresh(wanted_id):
+            return self._first_use(self._free_queue.take_fresh(wanted_id))
         if wanted is None or wanted.ref_cnt > 0 or (wanted.block_hash is not None and move is None):
-            return self._evict(self._free_queue.popleft())
+            return self._evict(self._first_use(self._free_queue.popleft()))
         if wanted.block_hash is None:
             self._free_queue.remove(wanted)
             return wanted
-        head = self._free_queue.popleft()
+        head = self._first_use(self._free_queue.popleft())
         if head is wanted:
             return self._evict(head)
         self._evict(head)
@@ -279,7 +190,8 @@ class BlockPool:
         """
         block_ids = list(block_ids)
         for block_id, num_refs in Counter(block_ids).items():
-            if self._blocks[block_id].ref_cnt < num_refs:
+            block = self._blocks.get(block_id)  # one never used has no reference either
+            if block is None or block.ref_cnt < num_refs:
                 raise ValueError(f"freeing block {block_id} would make its ref_cnt negative")
         for block_id in block_ids:
             block = self._blocks[block_id]
@@ -299,8 +211,10 @@ class BlockPool:
             block_ids: ids to reference; this is also how a pin holds its blocks.
         """
         for block_id in block_ids:
-            block = self._blocks[block_id]
-            if block.ref_cnt == 0:
+            block = self._blocks.get(block_id)
+            if block is None:  # never used: free, so it leaves the queue as any free block
+                block = self._first_use(self._free_queue.take_fresh(block_id))
+            elif block.ref_cnt == 0:
                 self._free_queue.remove(block)
                 if block.block_hash is not None:
                     self._num_cached_free -= 1
@@ -317,7 +231,9 @@ class BlockPool:
         reported to ``events`` as stored.
 
         Args:
-            block_ids: the full blocks, in the same order as ``block_hashes``.
+            block_ids: the full blocks, in the same order as ``block_hashes``; each allocated
+                at least once (a block never allocated holds no KV: a ValueError, nothing
+                changes).
             block_hashes: the blocks' chained content hashes.
             token_ids: the blocks' tokens, all of them in order (for the stored events; may be
                 empty when nobody listens).
@@ -328,6 +244,9 @@ class BlockPool:
             raise ValueError(f"{len(block_ids)} block ids but {len(block_hashes)} hashes")
         if not self.enable_caching:
             return
+        for block_id in block_ids:
+            if self._used(block_id) is None:
+                raise ValueError(f"block {block_id} was never allocated: it holds no KV to cache")
         run: list[int] = []  # indexes of the newly stored blocks, one consecutive run
         for index, (block_id, block_hash) in enumerate(zip(block_ids, block_hashes, strict=True)):
             block = self._blocks[block_id]
@@ -357,12 +276,16 @@ class BlockPool:
         run.clear()
 
     def check_integrity(self) -> None:
-        """Raise AssertionError naming the first violated invariant of the pool."""
+        """Raise AssertionError naming the first violated invariant of the pool (in time
+        proportional to the blocks used)."""
         self._free_queue.check_links()
-        free_ids = self._free_queue.block_ids()
-        assert len(set(free_ids)) == len(free_ids), "a block appears twice in the free queue"
-        in_queue = set(free_ids)
-        for block in self._blocks:
+        linked = [block.block_id for block in self._free_queue]
+        in_queue = set(linked)
+        assert len(in_queue) == len(linked), "a block appears twice in the free queue"
+        assert in_queue <= self._blocks.keys(), "the free queue links a block the pool lost"
+        for block_id, block in self._blocks.items():
+            assert block.block_id == block_id, f"block {block.block_id} is kept as {block_id}"
+            assert not self._free_queue.is_fresh(block_id), f"block {block_id} is used and fresh"
             assert block.ref_cnt >= 0, f"block {block.block_id} has ref_cnt {block.ref_cnt}"
             queued = block.block_id in in_queue
             assert queued == (block.ref_cnt == 0), (
@@ -372,8 +295,13 @@ class BlockPool:
                 assert self._cached_block_ids.get(block.block_hash) == block.block_id, (
                     f"hashed block {block.block_id} is missing from the hash map"
                 )
+        num_fresh = len(self._free_queue) - len(linked)
+        assert len(self._blocks) + num_fresh == self._num_blocks, (
+            f"{len(self._blocks)} blocks used and {num_fresh} fresh in a pool of "
+            f"{self._num_blocks}"
+        )
         for block_hash, block_id in self._cached_block_ids.items():
-            assert self._blocks[block_id].block_hash == block_hash, (
+            assert self.block_hash(block_id) == block_hash, (
                 f"hash map points at block {block_id}, which holds a different hash"
             )
         num_cached_free = sum(1 for b in self._free_queue if b.block_hash is not None)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import tracemalloc
+
 import pytest
 
 from agentd.cache import BlockPool, FreeBlockQueue, KVBlock, NoFreeBlocksError, hash_block
@@ -189,3 +191,47 @@ def test_allocate_after_moves_the_kv_of_a_cached_next_block() -> None:
     assert pool.free_block_ids() == [4, 5, 3]
     assert pool.num_cached_free == 1
     pool.check_integrity()
+
+
+def test_blocks_never_used_sit_between_the_head_and_the_tail_in_id_order() -> None:
+    pool = BlockPool(8)
+    table = pool.allocate(3)
+    pool.cache_full_blocks(table[:2], [h(0), h(1)])
+    pool.free(reversed(table))  # 2 (uncached) to the head, 1 then 0 (cached) to the tail
+    assert pool.free_block_ids() == [2, 3, 4, 5, 6, 7, 1, 0]
+    pool.touch([5])  # a block never used, taken from the middle of the run
+    assert pool.allocate(2, after=3) == [4, 2]  # 4 right after 3, then the head
+    assert pool.free_block_ids() == [3, 6, 7, 1, 0]
+    assert [pool.ref_cnt(i) for i in range(8)] == [0, 0, 1, 0, 1, 1, 0, 0]
+    assert pool.allocate(4) == [3, 6, 7, 1] and pool.get_cached(h(1)) is None
+    pool.check_integrity()
+
+
+def test_caching_a_block_never_allocated_is_refused() -> None:
+    pool = BlockPool(4)
+    pool.allocate(1)
+    with pytest.raises(ValueError, match="block 2 was never allocated"):
+        pool.cache_full_blocks([0, 2], [h(0), h(2)])
+    assert pool.get_cached(h(0)) is None and pool.free_block_ids() == [1, 2, 3]
+    pool.check_integrity()
+
+
+def test_a_pool_costs_memory_for_the_blocks_it_uses_not_for_those_it_could_hold() -> None:
+    """A pool sized for a large KV budget (10 million blocks is 160M tokens) must not build
+    bookkeeping for every block up front: it grows with the blocks handed out."""
+    tracemalloc.start()
+    try:
+        before, _ = tracemalloc.get_traced_memory()
+        pool = BlockPool(10_000_000)
+        built, _ = tracemalloc.get_traced_memory()
+        table = pool.allocate(1000)
+        used, _ = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert built - before < 64 * 1024, f"an empty pool of 10M blocks took {built - before:,} B"
+    assert (used - built) / 1000 < 1024, f"{(used - built) / 1000:,.0f} B a block used"
+    assert table == list(range(1000)) and pool.num_free == 10_000_000 - 1000
+    pool.free(reversed(table))
+    assert pool.num_free == pool.num_blocks
+    pool.check_integrity()
+    assert pool.allocate(2) == [0, 1]  # freed to the head, in table order

@@ -7,7 +7,12 @@ stats: a cap is never silent. With ``--kv-cache-memory`` unset the pool holds ``
 tokens for each of ``max_num_seqs`` sequences, within ``RAM_FRACTION`` of the memory free at
 start, and never less than one ``max_model_len`` sequence when that fits the budget.
 ``plan_pool`` applies the rule to a loaded model (``load_timed`` loads it and says how much of
-its weights is not resident yet, which the budget leaves room for).
+its weights is not resident yet, which the budget leaves room for). A pool set by
+``--kv-cache-memory`` never needs more than the device has free at start (``check_pool_fits``:
+``MemAvailable`` on the CPU, less the weights not yet resident; the free memory of a GPU): one
+that does is refused, with both figures and the option to change, before anything is allocated
+for it. The auto-sized pool is within its budget by construction, whatever ``--max-model-len``
+and ``--max-num-seqs`` ask (an explicit ``--max-model-len`` that does not fit is an error).
 """
 
 from __future__ import annotations
@@ -103,6 +108,8 @@ def tensor_bytes(module: torch.nn.Module) -> int:
 
 
 def format_bytes(num_bytes: int) -> str:
+    if num_bytes >= 2**40:
+        return f"{num_bytes / 2**40:,.1f} TiB"
     if num_bytes >= 2**30:
         return f"{num_bytes / 2**30:.1f} GiB"
     return f"{num_bytes / 2**20:,.0f} MiB"
@@ -240,15 +247,47 @@ def model_len(dims: ModelDims) -> int:
     return dims.max_position_embeddings
 
 
+def check_pool_fits(plan: KVPlan, free_bytes: int | None, weights_unresident_bytes: int = 0,
+                    where: str = "MemAvailable") -> None:
+    """Refuse a pool set by ``--kv-cache-memory`` that needs more than the device has free.
+
+    Args:
+        plan: the pool planned (an auto-sized one, within its budget, always fits).
+        free_bytes: the device's free memory at start (None: unknown, nothing to check).
+        weights_unresident_bytes: weights not in RAM yet, which take their share once read.
+        where: what ``free_bytes`` is, for the message (``MemAvailable``, a GPU's free memory).
+
+    Raises:
+        ValueError: one line: what the pool needs, what the machine has, what to change.
+    """
+    if plan.budget_bytes is not None or free_bytes is None:
+        return
+    room = free_bytes - weights_unresident_bytes
+    if plan.num_bytes <= room:
+        return
+    unresident = (f" less {format_bytes(weights_unresident_bytes)} of weights not yet resident"
+                  if weights_unresident_bytes else "")
+    raise ValueError(
+        f"--kv-cache-memory asks for a KV pool of {format_bytes(plan.num_bytes)} "
+        f"({plan.num_blocks:,} blocks), more than this machine can hold: "
+        f"{format_bytes(free_bytes)} free ({where}){unresident}; lower --kv-cache-memory to "
+        f"at most {format_bytes(max(room, 0))}, or leave it unset to size the pool from the "
+        "free memory")
+
+
 def plan_pool(config: EngineConfig, loaded: LoadedModel, kv_dtype: torch.dtype,
               kv_bytes_per_block: int, memory_probe: MemoryProbe, unresident: int) -> KVPlan:
-    """The KV pool's size for ``loaded``: from ``--kv-cache-memory``, else from the free
-    memory (``unresident``: what ``load_timed`` found of the weights not yet in RAM)."""
-    free_bytes = memory_probe(loaded.device) if config.kv_cache_memory_bytes is None else None
-    return plan_kv_cache(KVRequest(
+    """The KV pool's size for ``loaded``: from ``--kv-cache-memory`` (refused when the device
+    cannot hold it), else from the free memory (``unresident``: what ``load_timed`` found of
+    the weights not yet in RAM)."""
+    free_bytes = memory_probe(loaded.device)
+    plan = plan_kv_cache(KVRequest(
         dtype_name(kv_dtype), config.block_size, kv_bytes_per_block,
         model_len(loaded.model.dims), config.max_num_seqs, config.max_model_len,
         config.kv_cache_memory_bytes), free_bytes, unresident)
+    where = "MemAvailable" if loaded.device.type == "cpu" else f"free memory of {loaded.device}"
+    check_pool_fits(plan, free_bytes, unresident, where)
+    return plan
 
 
 def log_plan(plan: KVPlan, backend_name: str) -> None:

@@ -120,8 +120,8 @@ class _Sampled(NamedTuple):
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
                  memory_probe: MemoryProbe = free_memory_bytes) -> None:
-        """``memory_probe``: the free memory the auto-sized pool is budgeted from (injectable,
-        so a test can size for any machine)."""
+        """``memory_probe``: the free memory the auto-sized pool is budgeted from, and that an
+        explicit pool must fit in (injectable, so a test can size for any machine)."""
         self.config = config
         self.load_s: float | None = None  # how long load_model took here (None: handed one)
         unresident = 0

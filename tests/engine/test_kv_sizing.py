@@ -4,8 +4,9 @@ The rule (``agentd.engine.kv_sizing``): room for ``max_model_len`` tokens for ea
 ``max_num_seqs`` sequences within half the free memory (less the weights not yet resident); at least
 one whole sequence when that fits; when even one does not, the context is capped to what fits,
 logged with its numbers and reported in the stats; an explicit ``--max-model-len`` that does not fit
-is an error that says what to change; ``--kv-cache-memory`` sets the pool as before. The free memory
-is injected (a fake ``MemAvailable``), and the pool costs RSS only as it is written.
+is an error that says what to change; ``--kv-cache-memory`` sets the pool as before, unless the
+machine cannot hold it (then it is refused with both figures, before anything is allocated). The
+free memory is injected (a fake ``MemAvailable``), and the pool costs RSS only as it is written.
 """
 
 from __future__ import annotations
@@ -15,14 +16,18 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 from agentd.config import EngineConfig
-from agentd.engine.kv_sizing import FALLBACK_BUDGET_BYTES, KVRequest, plan_kv_cache
+from agentd.engine.kv_sizing import (
+    FALLBACK_BUDGET_BYTES,
+    KVRequest,
+    check_pool_fits,
+    plan_kv_cache,
+)
 from agentd.engine.llm_engine import LLMEngine
 from agentd.llm import LLM
 
-GiB, MiB = 2**30, 2**20
+TiB, GiB, MiB = 2**40, 2**30, 2**20
 # The default model (SmolLM2-135M) in the exact mode: 30 layers x K/V x 3 heads x 64 x fp32.
 SMOLLM_TOKEN_BYTES = 30 * 2 * 3 * 64 * 4  # 46,080
 # Llama-3.1-8B with a fp16 pool: 32 layers x K/V x 8 heads x 128 x 2 bytes.
@@ -91,6 +96,29 @@ def test_an_explicit_kv_cache_memory_sets_the_pool() -> None:
                               max_model_len=2048), None)
 
 
+def test_an_explicit_pool_larger_than_the_machine_is_refused_with_both_figures() -> None:
+    huge = plan_kv_cache(request(SMOLLM_TOKEN_BYTES, 8192, memory_bytes=TiB), None)
+    with pytest.raises(ValueError) as refused:
+        check_pool_fits(huge, free_bytes=20 * GiB)
+    message = str(refused.value)
+    assert "\n" not in message
+    for figure in ("--kv-cache-memory asks for a KV pool of 1024.0 GiB", "1,491,308 blocks",
+                   "20.0 GiB free (MemAvailable)", "lower --kv-cache-memory to at most 20.0 GiB",
+                   "leave it unset"):
+        assert figure in message, message
+    # weights that are mapped but not read yet take their share once decode reads them
+    plan = plan_kv_cache(request(LLAMA8B_TOKEN_BYTES, 131072, memory_bytes=16 * GiB,
+                                 dtype="float16"), None)
+    check_pool_fits(plan, free_bytes=20 * GiB)
+    with pytest.raises(ValueError, match=r"20.0 GiB free \(free memory of cuda:0\) less 4.6 GiB "
+                                         r"of weights not yet resident; lower --kv-cache-memory "
+                                         r"to at most 15.4 GiB"):
+        check_pool_fits(plan, 20 * GiB, int(4.6 * GiB), where="free memory of cuda:0")
+    check_pool_fits(huge, free_bytes=None)  # unknown: nothing to check against
+    auto = plan_kv_cache(request(SMOLLM_TOKEN_BYTES, 8192), free_bytes=GiB)
+    check_pool_fits(auto, free_bytes=GiB)  # within its budget by construction
+
+
 def test_unknown_free_memory_falls_back_to_a_fixed_budget_and_says_so() -> None:
     plan = plan_kv_cache(request(SMOLLM_TOKEN_BYTES, 8192), free_bytes=None)
     assert plan.budget_bytes == FALLBACK_BUDGET_BYTES and plan.num_tokens == 8736
@@ -130,15 +158,25 @@ def test_the_engine_sizes_for_every_sequence_and_keeps_an_explicit_pool(tiny) ->
     assert (engine.num_blocks, kv.num_tokens, engine.max_model_len) == (4 * 256, 4 * 4096, 4096)
     assert kv.cap_reason is None and kv.budget_bytes == GiB // 2
 
-    def no_probe(device: torch.device) -> int:
-        raise AssertionError("an explicit --kv-cache-memory needs no free-memory figure")
-
     config = EngineConfig(model=tiny.engine.config.model, device="cpu",
                           kv_cache_memory_bytes=64 * 16 * TINY_TOKEN_BYTES)
-    explicit = LLMEngine(config, loaded=tiny.engine.loaded, memory_probe=no_probe)
-    assert explicit.num_blocks == 64 and explicit.stats().kv_cache.budget_bytes is None
-    assert explicit.max_model_len == 1024 and "--kv-cache-memory" in \
-        explicit.stats().kv_cache.cap_reason
+    for free_bytes in (GiB, 64 * 16 * TINY_TOKEN_BYTES, None):  # the figure only bounds it
+        explicit = LLMEngine(config, loaded=tiny.engine.loaded,
+                             memory_probe=lambda device, free=free_bytes: free)
+        assert explicit.num_blocks == 64 and explicit.stats().kv_cache.budget_bytes is None
+        assert explicit.max_model_len == 1024 and "--kv-cache-memory" in \
+            explicit.stats().kv_cache.cap_reason
+
+
+def test_the_engine_refuses_a_pool_the_machine_cannot_hold_before_building_it(tiny) -> None:
+    """The sizes of the issue: 100 GiB and 1 TiB asked on a machine with 20 GiB free."""
+    for size in (100 * GiB, TiB):
+        config = EngineConfig(model=tiny.engine.config.model, device="cpu",
+                              kv_cache_memory_bytes=size)
+        with pytest.raises(ValueError, match=r"--kv-cache-memory asks for a KV pool of "
+                                             r"(100.0 GiB|1.0 TiB) .* 20.0 GiB free "
+                                             r"\(MemAvailable\); lower --kv-cache-memory"):
+            LLMEngine(config, loaded=tiny.engine.loaded, memory_probe=lambda device: 20 * GiB)
 
 
 _POOL_RSS = """

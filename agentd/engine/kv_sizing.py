@@ -8,11 +8,11 @@ tokens for each of ``max_num_seqs`` sequences, within ``RAM_FRACTION`` of the me
 start, and never less than one ``max_model_len`` sequence when that fits the budget.
 ``plan_pool`` applies the rule to a loaded model (``load_timed`` loads it and says how much of
 its weights is not resident yet, which the budget leaves room for). A pool set by
-``--kv-cache-memory`` never needs more than the device has free at start (``check_pool_fits``:
-``MemAvailable`` on the CPU, less the weights not yet resident; the free memory of a GPU): one
-that does is refused, with both figures and the option to change, before anything is allocated
-for it. The auto-sized pool is within its budget by construction, whatever ``--max-model-len``
-and ``--max-num-seqs`` ask (an explicit ``--max-model-len`` that does not fit is an error).
+``--kv-cache-memory`` never needs more than the device has free at start (``check_pool_fits``,
+with :mod:`.free_memory`'s figure, less the weights not yet resident): one that does is refused,
+with both figures and the option to change, before anything is allocated for it. The auto-sized
+pool is within its budget by construction, whatever ``--max-model-len`` and ``--max-num-seqs``
+ask (an explicit ``--max-model-len`` that does not fit is an error).
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+
+from agentd.engine.free_memory import FreeMemory, MemoryProbe, proc_status_bytes
 
 if TYPE_CHECKING:
     from agentd.config import EngineConfig
@@ -43,9 +43,6 @@ KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": tor
 RAM_FRACTION = 0.5
 FALLBACK_BUDGET_BYTES = 384 * 2**20  # where free memory cannot be read (no /proc/meminfo)
 
-MemoryProbe = Callable[[torch.device], int | None]
-
-
 def resolve_kv_dtype(name: str, dtype: torch.dtype, weights: str,
                      device: torch.device) -> torch.dtype:
     """The pool's dtype. ``auto``: float32 in the exact mode (float32 activations and weights,
@@ -62,32 +59,6 @@ def resolve_kv_dtype(name: str, dtype: torch.dtype, weights: str,
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def free_memory_bytes(device: torch.device) -> int | None:
-    """Memory free for a new pool: the device's free memory on CUDA, else ``MemAvailable`` from
-    ``/proc/meminfo`` (what the kernel can hand out without swapping); None when unknown."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def proc_status_bytes(field: str) -> int | None:
-    """A ``kB`` field of ``/proc/self/status`` (VmRSS, VmHWM, RssAnon) in bytes; None if absent."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
 
 
 def tensor_bytes(module: torch.nn.Module) -> int:
@@ -247,22 +218,21 @@ def model_len(dims: ModelDims) -> int:
     return dims.max_position_embeddings
 
 
-def check_pool_fits(plan: KVPlan, free_bytes: int | None, weights_unresident_bytes: int = 0,
-                    where: str = "MemAvailable") -> None:
+def check_pool_fits(plan: KVPlan, free: FreeMemory | None,
+                    weights_unresident_bytes: int = 0) -> None:
     """Refuse a pool set by ``--kv-cache-memory`` that needs more than the device has free.
 
     Args:
         plan: the pool planned (an auto-sized one, within its budget, always fits).
-        free_bytes: the device's free memory at start (None: unknown, nothing to check).
+        free: the device's free memory at start and its source (None: unknown, no check).
         weights_unresident_bytes: weights not in RAM yet, which take their share once read.
-        where: what ``free_bytes`` is, for the message (``MemAvailable``, a GPU's free memory).
 
     Raises:
         ValueError: one line: what the pool needs, what the machine has, what to change.
     """
-    if plan.budget_bytes is not None or free_bytes is None:
+    if plan.budget_bytes is not None or free is None:
         return
-    room = free_bytes - weights_unresident_bytes
+    room = free.num_bytes - weights_unresident_bytes
     if plan.num_bytes <= room:
         return
     unresident = (f" less {format_bytes(weights_unresident_bytes)} of weights not yet resident"
@@ -270,23 +240,24 @@ def check_pool_fits(plan: KVPlan, free_bytes: int | None, weights_unresident_byt
     raise ValueError(
         f"--kv-cache-memory asks for a KV pool of {format_bytes(plan.num_bytes)} "
         f"({plan.num_blocks:,} blocks), more than this machine can hold: "
-        f"{format_bytes(free_bytes)} free ({where}){unresident}; lower --kv-cache-memory to "
-        f"at most {format_bytes(max(room, 0))}, or leave it unset to size the pool from the "
-        "free memory")
+        f"{format_bytes(free.num_bytes)} free ({free.source}){unresident}; lower "
+        f"--kv-cache-memory to at most {format_bytes(max(room, 0))}, or leave it unset to size "
+        "the pool from the free memory")
 
 
 def plan_pool(config: EngineConfig, loaded: LoadedModel, kv_dtype: torch.dtype,
               kv_bytes_per_block: int, memory_probe: MemoryProbe, unresident: int) -> KVPlan:
     """The KV pool's size for ``loaded``: from ``--kv-cache-memory`` (refused when the device
     cannot hold it), else from the free memory (``unresident``: what ``load_timed`` found of
-    the weights not yet in RAM)."""
-    free_bytes = memory_probe(loaded.device)
+    the weights not yet in RAM; address space already holds them)."""
+    free = memory_probe(loaded.device)
+    if free is not None and free.mapped_included:
+        unresident = 0
     plan = plan_kv_cache(KVRequest(
         dtype_name(kv_dtype), config.block_size, kv_bytes_per_block,
         model_len(loaded.model.dims), config.max_num_seqs, config.max_model_len,
-        config.kv_cache_memory_bytes), free_bytes, unresident)
-    where = "MemAvailable" if loaded.device.type == "cpu" else f"free memory of {loaded.device}"
-    check_pool_fits(plan, free_bytes, unresident, where)
+        config.kv_cache_memory_bytes), None if free is None else free.num_bytes, unresident)
+    check_pool_fits(plan, free, unresident)
     return plan
 
 

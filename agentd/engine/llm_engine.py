@@ -28,12 +28,12 @@ import torch
 from agentd.cache import KVCacheManager, Pin, PinCounts, PinKey, PoolStats
 from agentd.config import EngineConfig
 from agentd.engine.conversation_tails import TailKeeper
+from agentd.engine.free_memory import free_memory
 from agentd.engine.hooks import RequestHooks
 from agentd.engine.kv_publisher import KVEventPublisher, open_kv_events
 from agentd.engine.kv_sizing import (
     KVPlan,
     MemoryProbe,
-    free_memory_bytes,
     kv_fingerprint,
     load_timed,
     log_plan,
@@ -119,7 +119,7 @@ class _Sampled(NamedTuple):
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
-                 memory_probe: MemoryProbe = free_memory_bytes) -> None:
+                 memory_probe: MemoryProbe = free_memory) -> None:
         """``memory_probe``: the free memory the auto-sized pool is budgeted from, and that an
         explicit pool must fit in (injectable, so a test can size for any machine)."""
         self.config = config

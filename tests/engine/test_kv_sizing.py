@@ -18,6 +18,7 @@ import sys
 import pytest
 
 from agentd.config import EngineConfig
+from agentd.engine.free_memory import FreeMemory
 from agentd.engine.kv_sizing import (
     FALLBACK_BUDGET_BYTES,
     KVRequest,
@@ -99,7 +100,7 @@ def test_an_explicit_kv_cache_memory_sets_the_pool() -> None:
 def test_an_explicit_pool_larger_than_the_machine_is_refused_with_both_figures() -> None:
     huge = plan_kv_cache(request(SMOLLM_TOKEN_BYTES, 8192, memory_bytes=TiB), None)
     with pytest.raises(ValueError) as refused:
-        check_pool_fits(huge, free_bytes=20 * GiB)
+        check_pool_fits(huge, FreeMemory(20 * GiB, "MemAvailable"))
     message = str(refused.value)
     assert "\n" not in message
     for figure in ("--kv-cache-memory asks for a KV pool of 1024.0 GiB", "1,491,308 blocks",
@@ -109,14 +110,14 @@ def test_an_explicit_pool_larger_than_the_machine_is_refused_with_both_figures()
     # weights that are mapped but not read yet take their share once decode reads them
     plan = plan_kv_cache(request(LLAMA8B_TOKEN_BYTES, 131072, memory_bytes=16 * GiB,
                                  dtype="float16"), None)
-    check_pool_fits(plan, free_bytes=20 * GiB)
+    check_pool_fits(plan, FreeMemory(20 * GiB, "MemAvailable"))
     with pytest.raises(ValueError, match=r"20.0 GiB free \(free memory of cuda:0\) less 4.6 GiB "
                                          r"of weights not yet resident; lower --kv-cache-memory "
                                          r"to at most 15.4 GiB"):
-        check_pool_fits(plan, 20 * GiB, int(4.6 * GiB), where="free memory of cuda:0")
-    check_pool_fits(huge, free_bytes=None)  # unknown: nothing to check against
+        check_pool_fits(plan, FreeMemory(20 * GiB, "free memory of cuda:0"), int(4.6 * GiB))
+    check_pool_fits(huge, None)  # unknown: nothing to check against
     auto = plan_kv_cache(request(SMOLLM_TOKEN_BYTES, 8192), free_bytes=GiB)
-    check_pool_fits(auto, free_bytes=GiB)  # within its budget by construction
+    check_pool_fits(auto, FreeMemory(GiB, "MemAvailable"))  # within its budget by construction
 
 
 def test_unknown_free_memory_falls_back_to_a_fixed_budget_and_says_so() -> None:
@@ -131,9 +132,14 @@ def tiny(tiny_model_factory) -> LLM:
     return LLM(str(tiny_model_factory("llama")), device="cpu", kv_cache_memory_bytes=2 * MiB)
 
 
+def probe(free_bytes: int | None, source: str = "MemAvailable"):
+    """A memory probe that says ``free_bytes`` are free, from ``source``."""
+    return lambda device: None if free_bytes is None else FreeMemory(free_bytes, source)
+
+
 def engine_with(tiny: LLM, free_bytes: int | None, **config) -> LLMEngine:
     config = EngineConfig(model=tiny.engine.config.model, device="cpu", **config)
-    return LLMEngine(config, loaded=tiny.engine.loaded, memory_probe=lambda device: free_bytes)
+    return LLMEngine(config, loaded=tiny.engine.loaded, memory_probe=probe(free_bytes))
 
 
 def test_the_engine_logs_a_capped_context_and_reports_it(tiny, caplog) -> None:
@@ -162,7 +168,7 @@ def test_the_engine_sizes_for_every_sequence_and_keeps_an_explicit_pool(tiny) ->
                           kv_cache_memory_bytes=64 * 16 * TINY_TOKEN_BYTES)
     for free_bytes in (GiB, 64 * 16 * TINY_TOKEN_BYTES, None):  # the figure only bounds it
         explicit = LLMEngine(config, loaded=tiny.engine.loaded,
-                             memory_probe=lambda device, free=free_bytes: free)
+                             memory_probe=probe(free_bytes))
         assert explicit.num_blocks == 64 and explicit.stats().kv_cache.budget_bytes is None
         assert explicit.max_model_len == 1024 and "--kv-cache-memory" in \
             explicit.stats().kv_cache.cap_reason
@@ -176,7 +182,7 @@ def test_the_engine_refuses_a_pool_the_machine_cannot_hold_before_building_it(ti
         with pytest.raises(ValueError, match=r"--kv-cache-memory asks for a KV pool of "
                                              r"(100.0 GiB|1.0 TiB) .* 20.0 GiB free "
                                              r"\(MemAvailable\); lower --kv-cache-memory"):
-            LLMEngine(config, loaded=tiny.engine.loaded, memory_probe=lambda device: 20 * GiB)
+            LLMEngine(config, loaded=tiny.engine.loaded, memory_probe=probe(20 * GiB))
 
 
 _POOL_RSS = """

@@ -97,6 +97,10 @@ class BlockPool:
         self._blocks[block.block_id] = block
         return block
 
+    def referenced_block_ids(self) -> list[int]:
+        """The ids of the blocks with ref_cnt > 0 (in time proportional to the blocks used)."""
+        return [block_id for block_id, block in self._blocks.items() if block.ref_cnt > 0]
+
     def free_block_ids(self) -> list[int]:
         """Return the free queue's block ids, head (next allocated) to tail."""
         return self._free_queue.block_ids()

@@ -100,7 +100,7 @@ class BlockHolders:
         owners: Counter[int] = Counter()
         for block_ids in self._held.values():
             owners.update(block_ids)
-        for block_id in range(self.pool.num_blocks):
+        for block_id in sorted(owners.keys() | set(self.pool.referenced_block_ids())):
             ref_cnt = self.pool.ref_cnt(block_id)
             assert ref_cnt == owners[block_id], (
                 f"block {block_id} has ref_cnt {ref_cnt} but {owners[block_id]} owners (a leaked "

@@ -145,3 +145,18 @@ def test_caching_disabled() -> None:
     manager.free("a")
     manager.free("unknown")
     assert manager.num_free_blocks == 4 and manager.usage == 0.0
+
+
+def test_the_owner_audit_catches_a_reference_without_an_owner_and_one_freed_behind_it() -> None:
+    manager = KVCacheManager(num_blocks=1_000_000, block_size=BLOCK_SIZE)  # audited as used
+    table = run_request(manager, "a", PROMPT)
+    manager.holders.check()
+    manager.pool.touch([table[0], 999_999])  # references nobody owns
+    with pytest.raises(AssertionError, match="block 0 has ref_cnt 2 but 1 owners"):
+        manager.holders.check()
+    manager.pool.free([table[0]])
+    with pytest.raises(AssertionError, match="block 999999 has ref_cnt 1 but 0 owners"):
+        manager.holders.check()
+    manager.pool.free([999_999, table[2]])  # and one freed behind its owner's back
+    with pytest.raises(AssertionError, match=f"block {table[2]} has ref_cnt 0 but 1 owners"):
+        manager.holders.check()

@@ -68,14 +68,17 @@ class DaemonClient:
 
     def json(self, method: str, path: str, **kwargs: Any) -> Any:
         """The JSON body of a successful reply; an error reply becomes a ClickException."""
-        response = self.request(method, path, **kwargs)
+        return self.check(self.request(method, path, **kwargs), method, path).json()
+
+    def check(self, response: httpx.Response, method: str, path: str) -> httpx.Response:
+        """``response`` if it succeeded; an error reply becomes a ClickException."""
         if response.status_code == 401:
             raise click.ClickException(
                 f"the daemon at {self.url} requires an API key; set {API_KEY_ENVVAR}"
             )
         if response.is_error:
             raise click.ClickException(f"{method} {path} failed: {error_message(response)}")
-        return response.json()
+        return response
 
     def close(self) -> None:
         self._http.close()
@@ -86,3 +89,11 @@ def error_message(response: httpx.Response) -> str:
         return str(response.json()["error"]["message"])
     except (ValueError, KeyError, TypeError):
         return f"HTTP {response.status_code}: {response.text[:200]}"
+
+
+def error_code(response: httpx.Response) -> str | None:
+    """The ``code`` of an OpenAI-shaped error reply, if it has one."""
+    try:
+        return str(response.json()["error"]["code"])
+    except (ValueError, KeyError, TypeError):
+        return None

@@ -2,7 +2,9 @@
 
 Invariants: the daemon is asked over HTTP first (``POST /admin/shutdown`` with the local token
 from the state dir, and ``$AGENTD_API_KEY``: in-flight requests get its grace period, then are
-aborted); signals are only a fallback, for a daemon on this machine
+aborted); a daemon without keys that refuses the token is answered with where the token was
+looked for and how to point at the daemon's own state dir; signals are only a fallback, for a
+daemon on this machine
 that does not answer or does not exit in time (SIGTERM, then SIGKILL). On success no process is
 left and the state dir holds no pid file for it.
 """
@@ -16,9 +18,9 @@ from urllib.parse import urlsplit
 
 import click
 
-from agentd.cli._client import DaemonClient, DaemonUnreachable, url_option
-from agentd.cli._state import StatePaths, pid_alive, state_dir_option
-from agentd.server.local_token import TOKEN_HEADER, read_token
+from agentd.cli._client import DaemonClient, DaemonUnreachable, error_code, url_option
+from agentd.cli._state import STATE_DIR_ENVVAR, StatePaths, pid_alive, state_dir_option
+from agentd.server.local_token import TOKEN_FILE, TOKEN_HEADER, read_token
 
 _KILL_WAIT_S = 5.0
 
@@ -42,8 +44,7 @@ def command(url: str, state_dir: str | None, timeout: float) -> None:
                    f"{paths.pid_file}", err=True)
         _terminate(pid, paths)
         return
-    token = read_token(paths.root)  # what a daemon without keys asks of the caller
-    client.json("POST", "/admin/shutdown", headers={TOKEN_HEADER: token} if token else None)
+    _ask_to_shut_down(client, paths)
     local = _is_loopback(client.url) and isinstance(pid, int)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -62,6 +63,23 @@ def command(url: str, state_dir: str | None, timeout: float) -> None:
     if local:
         paths.remove_if_owned(pid)
     click.echo(f"agentd stopped (pid {pid})")
+
+
+def _ask_to_shut_down(client: DaemonClient, paths: StatePaths) -> None:
+    """``POST /admin/shutdown`` with the local token (what a daemon without keys asks of the
+    caller) and the API key; a refused token says where it was looked for."""
+    token = read_token(paths.root)
+    response = client.request("POST", "/admin/shutdown",
+                              headers={TOKEN_HEADER: token} if token else None)
+    if response.status_code == 401 and error_code(response) == "missing_token":
+        found = (f"the local daemon token in {paths.root / TOKEN_FILE} is not the daemon's (it is "
+                 "another start's)" if token else
+                 f"no local daemon token was found in the state dir {paths.root} (no "
+                 f"{TOKEN_FILE} there)")
+        raise click.ClickException(
+            f"{found}: the daemon at {client.url} keeps its token in the state dir it was started "
+            f"with; point at that dir with --state-dir DIR or {STATE_DIR_ENVVAR}=DIR")
+    client.check(response, "POST", "/admin/shutdown")
 
 
 def _terminate(pid: int, paths: StatePaths) -> None:

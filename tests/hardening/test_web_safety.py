@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 from litestar.testing import TestClient
 
@@ -105,6 +106,34 @@ def test_shutdown_needs_the_local_token_without_keys(client: TestClient, openai_
         error = openai_error(client.post("/admin/shutdown", headers=headers), 401)
         assert error["code"] == "missing_token" and "agentd stop" in error["message"]
     assert client.get("/health").json()["status"] == "ready"
+
+
+def test_stop_without_the_daemons_state_dir_says_where_it_looked(tiny, serve,
+                                                                   tmp_path) -> None:
+    """``agentd stop`` pointed at another state dir: no token there (or another start's) is
+    what it says, with the dir and how to point at the daemon's, never that a key is needed."""
+    from click.testing import CliRunner
+
+    from agentd.cli import main
+
+    config, engine = tiny
+    settings = ServerSettings(state_dir=tmp_path / "daemon")
+    elsewhere = tmp_path / "elsewhere"
+    with serve(create_app(config, engine=engine, settings=settings)) as url:
+        for token in (None, "another-starts-token"):
+            if token is not None:
+                elsewhere.mkdir()
+                (elsewhere / "cli.token").write_text(token)
+            result = CliRunner().invoke(main, ["stop", "--url", url, "--state-dir",
+                                               str(elsewhere)], env={"AGENTD_API_KEY": ""})
+            assert result.exit_code == 1, result.output
+            [line] = [text for text in result.output.splitlines() if text.strip()]
+            found = "no local daemon token was found in the state dir" if token is None \
+                else "is not the daemon's"
+            assert found in line and str(elsewhere) in line, line
+            assert "--state-dir" in line and "AGENTD_HOME" in line and "API key" not in line
+        assert (tmp_path / "daemon" / "cli.token").exists()
+        assert httpx.get(f"{url}/health").json()["status"] == "ready"
 
 
 PREFLIGHT = {"origin": "http://localhost:3000", "access-control-request-method": "POST",

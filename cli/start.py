@@ -146,7 +146,8 @@ def _option(name: str, **kwargs: Any) -> Any:
               "(or separate keys with commas) for several keys; each key is then a tenant "
               "with its own prefix cache and pins unless --shared-cache.")
 @_option("--shared-cache", is_flag=True,
-         help="With several API keys, let them share cached prefixes and pins.")
+         help="With several API keys, let them share cached prefixes and pins (each key's "
+              "stored responses stay its own).")
 @_option("--admin-key", multiple=True,
          help="A key for the operator (repeat or comma-separate for several): with several "
               "--api-key tenants only admin keys reach /admin, /v1/stats, /metrics and every "

@@ -6,7 +6,10 @@ stays open, and /metrics too only with ``metrics_public``. With two or more ``--
 (``cache_tenant``), which the handlers mix into the cache salt and use as the owner of what it
 pins and retains, so tenants never share KV blocks nor see each other's pins; only an operator
 (an ``--admin-key``, or any key when there is one tenant) reaches /admin, /v1/stats, /metrics and
-every tenant's pins. A guard's refusal is raised, so it answers in its route's wire shape.
+every tenant's pins. Whatever the cache, each key's conversations are its own: the guard tags
+every keyed request with its key's id (``key_owner``), which owns its stored responses, also
+with ``shared_cache`` (which shares prefixes, not conversations). A guard's refusal is raised, so
+it answers in its route's wire shape.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ def require_api_key(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRoute
     """Litestar guard: when API keys are set, ``Authorization: Bearer <key>`` (or Anthropic's
     ``x-api-key: <key>``) must match one.
 
-    With per-key caches, a tenant key's id goes to ``connection.state.cache_tenant``; whether the
-    key is an operator's goes to ``connection.state.operator``.
+    The key's id goes to ``connection.state.key_owner``; with per-key caches, a tenant key's
+    id goes to ``connection.state.cache_tenant`` too; whether the key is an operator's goes to
+    ``connection.state.operator``.
     """
     settings: ServerSettings = connection.app.state.agentd.settings
     keys = settings.all_keys
@@ -42,8 +46,9 @@ def require_api_key(connection: ASGIConnection[Any, Any, Any, Any], _: BaseRoute
         raise APIError(401, "missing or incorrect API key; send 'Authorization: Bearer <key>' "
                        "(or 'x-api-key: <key>') with a key given to `agentd start --api-key`",
                        headers={"WWW-Authenticate": "Bearer"})
+    connection.state.key_owner = tenant_of(matched[0])
     if settings.per_key_cache and matched[0] not in settings.admin_keys:
-        connection.state.cache_tenant = tenant_of(matched[0])
+        connection.state.cache_tenant = connection.state.key_owner
     connection.state.operator = settings.is_operator(matched[0])
 
 
@@ -78,3 +83,9 @@ def tenant_of(api_key: str) -> str:
 def cache_tenant(connection: ASGIConnection[Any, Any, Any, Any]) -> str | None:
     """The tenant id the guard set, or None when tenants share the cache."""
     return getattr(connection.state, "cache_tenant", None)
+
+
+def key_owner(connection: ASGIConnection[Any, Any, Any, Any]) -> str | None:
+    """The id of the key the request came with (what owns its stored responses), whether or not
+    keys share the cache; None when no keys are set."""
+    return getattr(connection.state, "key_owner", None)

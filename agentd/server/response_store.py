@@ -1,9 +1,10 @@
 """Stored responses (``store: true``): the reply a client can fetch again, and the exact token
 ids of its prompt and output, which ``previous_response_id`` continues from.
 
-Invariants: bounded — at most ``max_size`` responses per tenant (API key), the least recently
-used dropped first, and none kept past ``ttl_s`` after its last use; a tenant only ever reads,
-continues or deletes its own (another tenant's id is "not found", as an unknown one is); a
+Invariants: bounded — at most ``max_size`` responses per owner (the API key that made them,
+``agentd.server.auth.key_owner``, whether or not keys share the cache), the least recently
+used dropped first, and none kept past ``ttl_s`` after its last use; an owner only ever reads,
+continues or deletes its own (another key's id is "not found", as an unknown one is); a
 dropped response releases its engine tail (``release``), so the pool never holds a block for a
 conversation nobody can continue. Thread-safe: handlers may run on any worker.
 """
@@ -31,7 +32,7 @@ class StoredResponse:
 
 
 class ResponseStore:
-    """Responses by (tenant, id); ``release`` gets the engine request ids of dropped ones."""
+    """Responses by (owner, id); ``release`` gets the engine request ids of dropped ones."""
 
     def __init__(self, max_size: int, ttl_s: float,
                  release: Callable[[list[str]], None]) -> None:
@@ -45,20 +46,20 @@ class ResponseStore:
         with self._lock:
             return sum(len(items) for items in self._items.values())
 
-    def put(self, tenant: str | None, response_id: str, stored: StoredResponse) -> None:
+    def put(self, owner: str | None, response_id: str, stored: StoredResponse) -> None:
         dropped: list[StoredResponse] = []
         with self._lock:
-            items = self._items.setdefault(tenant, OrderedDict())
+            items = self._items.setdefault(owner, OrderedDict())
             items[response_id] = stored
             dropped += self._expire(items)
             while len(items) > self.max_size:
                 dropped.append(items.popitem(last=False)[1])
         self._release([s.request_id for s in dropped])
 
-    def get(self, tenant: str | None, response_id: str) -> StoredResponse | None:
+    def get(self, owner: str | None, response_id: str) -> StoredResponse | None:
         """The stored response (now the most recently used), or None if unknown or expired."""
         with self._lock:
-            items = self._items.get(tenant)
+            items = self._items.get(owner)
             dropped = self._expire(items) if items is not None else []
             stored = items.get(response_id) if items is not None else None
             if stored is not None:
@@ -67,9 +68,9 @@ class ResponseStore:
         self._release([s.request_id for s in dropped])
         return stored
 
-    def delete(self, tenant: str | None, response_id: str) -> bool:
+    def delete(self, owner: str | None, response_id: str) -> bool:
         with self._lock:
-            stored = self._items.get(tenant, OrderedDict()).pop(response_id, None)
+            stored = self._items.get(owner, OrderedDict()).pop(response_id, None)
         if stored is not None:
             self._release([stored.request_id])
         return stored is not None

@@ -3,9 +3,10 @@
 
 Invariants: as on chat, handlers validate, plan in a worker thread, start the plan and shape the
 reply (``agentd.server.wires``); a response is stored (``store: true``, the default) with its
-exact token ids only once it finished, in the caller's tenant, and a request that ends without
-a reply to store releases what the engine kept for it; an unknown, expired or other tenant's
-response id is a 404 naming it.
+exact token ids only once it finished, for the caller's key, and a request that ends without
+a reply to store releases what the engine kept for it; a stored response belongs to the API key
+that made it, also with ``--shared-cache`` (which shares prefixes, not conversations): an
+unknown, expired or another key's response id is a 404 naming it.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from litestar.datastructures import State
 from litestar.params import Body, FromPath
 from litestar.response import Stream
 
-from agentd.server.auth import cache_tenant, require_api_key
+from agentd.server.auth import key_owner, require_api_key
 from agentd.server.errors import APIError
 from agentd.server.response_store import StoredResponse
 from agentd.server.routes_openai import ERROR_RESPONSES
@@ -54,14 +55,14 @@ class ResponsesController(Controller):
         engine, model = await server.accept(request, data)
         check_chars(text_chars([data.input, data.instructions], _TEXT_KEYS), engine.tokenizer,
                     engine.max_model_len, "input")
-        tenant = cache_tenant(request)
+        owner = key_owner(request)
         previous = None
         if data.previous_response_id is not None:
-            previous = _stored(server, tenant, data.previous_response_id, "previous_response_id")
+            previous = _stored(server, owner, data.previous_response_id, "previous_response_id")
         keep = data.store and server.settings.response_store_size > 0
         job = await asyncio.to_thread(plan_responses, data, engine, model, int(time.time()),
                                       previous, keep)
-        on_stored = partial(_store, server, tenant, job)
+        on_stored = partial(_store, server, owner, job)
         return await answer(request, server, job.plan, data.stream,
                             partial(stream_response, job, on_stored=on_stored),
                             partial(complete_response, job, on_stored=on_stored))
@@ -70,20 +71,20 @@ class ResponsesController(Controller):
     def get_response(self, request: Request[Any, Any, Any], response_id: FromPath[str],
                      state: State) -> Response:
         server = server_of(state)
-        return _stored(server, cache_tenant(request), response_id, "response_id").response
+        return _stored(server, key_owner(request), response_id, "response_id").response
 
     @delete("/{response_id:str}", status_code=200, summary="Delete a stored response",
             sync_to_thread=False)
     def delete_response(self, request: Request[Any, Any, Any], response_id: FromPath[str],
                         state: State) -> DeletedResponse:
-        if not server_of(state).responses.delete(cache_tenant(request), response_id):
+        if not server_of(state).responses.delete(key_owner(request), response_id):
             raise _not_found(response_id, "response_id")
         return DeletedResponse(id=response_id)
 
 
-def _stored(server: ServerState, tenant: str | None, response_id: str,
+def _stored(server: ServerState, owner: str | None, response_id: str,
             param: str) -> StoredResponse:
-    stored = server.responses.get(tenant, response_id)
+    stored = server.responses.get(owner, response_id)
     if stored is None:
         raise _not_found(response_id, param)
     return stored
@@ -97,7 +98,7 @@ def _not_found(response_id: str, param: str) -> APIError:
                     code="response_not_found")
 
 
-def _store(server: ServerState, tenant: str | None, job: ResponsesJob,
+def _store(server: ServerState, owner: str | None, job: ResponsesJob,
            response: Response | None, output_ids: list[int]) -> None:
     plan = job.plan
     if not plan.request.keep_tail:
@@ -108,6 +109,6 @@ def _store(server: ServerState, tenant: str | None, job: ResponsesJob,
     calls = [{"id": item.call_id, "type": "function",
               "function": {"name": item.name, "arguments": item.arguments}}
              for item in response.output if isinstance(item, FunctionCallItem)]
-    server.responses.put(tenant, response.id, StoredResponse(
+    server.responses.put(owner, response.id, StoredResponse(
         response, plan.prompt_token_ids + output_ids, plan.request_id, job.instructions, calls))
 

@@ -2,7 +2,8 @@
 name space (another key neither lists, reads, deletes nor collides with it) and its cache salt
 (only that key's requests hit it) — unless ``--shared-cache``; an ``--admin-key`` lists and
 deletes every tenant's pins (``?owner=``), and its own are server-wide. Per-pin stats and
-metrics keep two tenants' pins of one name apart.
+metrics keep two tenants' pins of one name apart. A stored response (Responses API) is the key's
+that made it, with or without ``--shared-cache``.
 """
 
 from __future__ import annotations
@@ -106,6 +107,34 @@ def test_with_a_shared_cache_every_key_shares_the_pins(apps, idle) -> None:
     assert client.delete("/v1/pins/team", headers=auth(K2)).status_code == 200
     assert names(client, K1) == []
     idle(lambda path: client.get(path, headers=auth(K1)), num_pinned_ok=False)
+
+
+@pytest.mark.parametrize("app", ["tenants", "shared"])
+def test_a_stored_response_is_its_keys_alone(apps, app: str, openai_error, idle) -> None:
+    """Per API key, also with --shared-cache (which shares prefixes, not conversations): another
+    key can neither read, continue nor delete it; its own key still can, afterwards."""
+    client = apps[app]
+    made = client.post("/v1/responses", headers=auth(K1), json={
+        "input": "Remember the word teal.", "max_output_tokens": 2})
+    assert made.status_code == 200, made.text
+    response_id = made.json()["id"]
+    for other in (K2, ADMIN) if app == "tenants" else (K2,):
+        got = client.get(f"/v1/responses/{response_id}", headers=auth(other))
+        assert openai_error(got, 404)["param"] == "response_id"
+        continued = client.post("/v1/responses", headers=auth(other), json={
+            "input": "Which word?", "previous_response_id": response_id, "max_output_tokens": 2})
+        assert openai_error(continued, 404)["param"] == "previous_response_id"
+        deleted = client.delete(f"/v1/responses/{response_id}", headers=auth(other))
+        assert openai_error(deleted, 404)["code"] == "response_not_found"
+    assert client.get(f"/v1/responses/{response_id}", headers=auth(K1)).json()["id"] == response_id
+    continued = client.post("/v1/responses", headers=auth(K1), json={
+        "input": "Which word?", "previous_response_id": response_id, "max_output_tokens": 2,
+        "store": False})
+    assert continued.status_code == 200, continued.text
+    assert client.delete(f"/v1/responses/{response_id}", headers=auth(K1)).status_code == 200
+    openai_error(client.get(f"/v1/responses/{response_id}", headers=auth(K1)), 404)
+    idle(lambda path: client.get(path, headers=auth(ADMIN if app == "tenants" else K1)),
+         num_pinned_ok=False)
 
 
 def test_an_admin_unpins_a_tenants_pin_from_the_cli(tiny, serve) -> None:

@@ -2,7 +2,8 @@
 persisted registry and KV snapshots (their files: :mod:`agentd.pins.registry_file`,
 :mod:`agentd.pins.snapshots`).
 
-Invariants: a pin is reported registered only once its blocks are pinned in the engine; a
+Invariants: a pin is rendered and tokenised in a worker thread (never on the event loop); a
+pin is reported registered only once its blocks are pinned in the engine; a
 snapshot is only reused when its checksum, model fingerprint, block size, cache salt and token ids
 all match, otherwise the pin is recomputed and the report says why; a pin listed in ``pins.json``
 stays listed there until it is unpinned or decays, even when a start could not restore it; a
@@ -82,7 +83,8 @@ class PinService:
         Raises PinError (with an HTTP status) when the name is taken, the budget is short or the
         prefix does not fit the context.
         """
-        result = await self.engine.run_pin(self._request(spec))
+        # rendered in a worker thread, as chat prompts are: /health and streams go on meanwhile
+        result = await self.engine.run_pin(await asyncio.to_thread(self._request, spec))
         if result.pin is None:
             raise result.error or PinError("the pin failed")
         if spec.prefill_s is None:
@@ -258,7 +260,7 @@ class PinService:
 
     async def _restore_one(self, spec: PinSpec) -> dict[str, Any]:
         key = PinKey(spec.owner, spec.name)
-        pin = self._request(spec)
+        pin = await asyncio.to_thread(self._request, spec)
         path = self._snapshot_path(key)
         reason = None
         if path is not None and (path.exists() or pin_snapshots.checksum_path(path).exists()):

@@ -6,8 +6,10 @@ cache salt) — with one tenant, that is every pin — and an operator reaches e
 pin's tools are decoded through the same ``Tool`` Struct as a chat request's, so
 the pin renders exactly the tokens real requests with those tools render; a refused pin (bad
 body or longer than the context 400, name taken 409, over the pin budget 409) changes nothing
-and answers the OpenAI error envelope; ``POST`` answers only once the prefix is prefilled and
-its blocks are pinned.
+and answers the OpenAI error envelope; a system prompt longer than the context could hold is
+refused by its character count before it is rendered or tokenised, as the chat wires refuse a
+prompt (``wires.intake``); ``POST`` answers only once the prefix is prefilled and its blocks
+are pinned.
 """
 
 from __future__ import annotations
@@ -29,9 +31,11 @@ from agentd.server.errors import APIError, ErrorResponse
 from agentd.server.state import server_of
 from agentd.server.wires.chat_types import Tool
 from agentd.server.wires.checks import check_tools
+from agentd.server.wires.intake import check_chars
 
 _CODES = {PinExistsError: "pin_exists", PinNotFoundError: "pin_not_found",
           PinBudgetError: "pin_budget_exceeded", PinTooLongError: "context_length_exceeded"}
+_PARAMS = {PinExistsError: "name", PinBudgetError: "name", PinTooLongError: "system"}
 _ERRORS = {status: ResponseSpec(data_container=ErrorResponse, description=description)
            for status, description in (
                (400, "Bad request (OpenAI error envelope)"), (401, "Missing or wrong API key"),
@@ -97,10 +101,12 @@ class PinsController(Controller):
                      request: Request[Any, Any, Any]) -> PinCreated:
         pins = server_of(state).require_pins()
         spec = _to_spec(data, cache_tenant(request))
+        engine = pins.engine
+        check_chars(len(spec.system), engine.tokenizer, engine.max_model_len, "system")
         try:
             info = await pins.add(spec)
         except PinError as exc:
-            raise _pin_error(exc, param="name") from exc
+            raise _pin_error(exc) from exc
         return PinCreated(**info)
 
     @get("/", summary="List pins", responses=_ERRORS)
@@ -167,6 +173,5 @@ def _ttl_s(ttl: float | str | None) -> float | None:
     return ttl_s
 
 
-def _pin_error(exc: PinError, param: str | None = None) -> APIError:
-    code = _CODES.get(type(exc))
-    return APIError(exc.status, str(exc), param=param if exc.status == 409 else None, code=code)
+def _pin_error(exc: PinError) -> APIError:
+    return APIError(exc.status, str(exc), param=_PARAMS.get(type(exc)), code=_CODES.get(type(exc)))

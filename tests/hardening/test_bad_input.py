@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import resource
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -343,7 +344,7 @@ PIN_CASES: dict[str, Case] = {
         param="tools[0].function.parameters"),
     "bad ttl": Case(PINS, {"name": "p1", "system": SYSTEM, "ttl": "soon"}, param="ttl"),
     "negative ttl": Case(PINS, {"name": "p1", "system": SYSTEM, "ttl": -5}, param="ttl"),
-    "system over the context": Case(PINS, {"name": "p1", "system": LONG_TEXT},
+    "system over the context": Case(PINS, {"name": "p1", "system": LONG_TEXT}, param="system",
                                     code="context_length_exceeded", says=("4096",)),
     "malformed json": Case(PINS, b'{"name": ', headers=JSON),
     "10k-deep tools": Case(PINS, b'{"name": "p1", "system": "s", "tools": ' + b"[" * 10_000
@@ -360,6 +361,21 @@ def test_bad_pin_request_is_answered_and_changes_nothing(client: TestClient, nam
                                                         openai_error, idle) -> None:
     check(client, PIN_CASES[name], openai_error, idle)
     assert client.get(PINS).json()["data"] == []
+
+
+def test_a_10_mb_pin_prompt_is_refused_by_its_length_before_it_is_tokenised(
+        client: TestClient, openai_error, idle) -> None:
+    """As the chat wires refuse the same text: by its character count, without rendering or
+    tokenising it (which took 31 s and left 4.7 GB resident), so memory stays where it was."""
+    system = "You are a careful agent who reads every file twice. " * 200_000  # 10.4 MB
+    peak_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    error = openai_error(client.post(PINS, json={"name": "huge", "system": system}), 400)
+    assert error["param"] == "system" and error["code"] == "context_length_exceeded", error
+    assert f"{len(system)} characters" in error["message"], error
+    peak_growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - peak_before
+    assert peak_growth < 2**30, f"the peak RSS grew by {peak_growth / 2**30:.1f} GiB"
+    assert client.get(PINS).json()["data"] == []
+    idle(client.get, num_pinned_ok=False)
 
 
 def test_duplicate_pin_is_409_and_the_first_still_serves(client: TestClient, openai_error,

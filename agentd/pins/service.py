@@ -3,7 +3,11 @@ persisted registry and KV snapshots (their files: :mod:`agentd.pins.registry_fil
 :mod:`agentd.pins.snapshots`).
 
 Invariants: a pin is rendered and tokenised in a worker thread (never on the event loop); a
-pin is reported registered only once its blocks are pinned in the engine; a
+pin is reported registered only once its blocks are pinned in the engine and ``pins.json``
+lists it, and unpinned only once ``pins.json`` no longer does: when the registry cannot be
+written (a full or unwritable state dir) the call raises ``PinStorageError`` (507) and nothing
+changes, in the engine or on disk; a pin that decays is dropped from ``pins.json`` at the next
+write that succeeds (each later sync retries a failed one); a
 snapshot is only reused when its checksum, model fingerprint, block size, cache salt and token ids
 all match, otherwise the pin is recomputed and the report says why; a pin listed in ``pins.json``
 stays listed there until it is unpinned or decays, even when a start could not restore it; a
@@ -32,13 +36,21 @@ from agentd.pins.snapshots import SnapshotError, SnapshotMismatch
 
 logger = logging.getLogger("agentd")
 _PROBE_MESSAGES = ("Hello", "1", "{", " x", "Wie geht's?")  # varied first characters
-__all__ = ["REGISTRY_FILE", "PinService", "PinSpec", "PinTooLongError", "pin_token_ids"]
+__all__ = ["REGISTRY_FILE", "PinService", "PinSpec", "PinStorageError", "PinTooLongError",
+           "pin_token_ids"]
 
 
 class PinTooLongError(PinError):
     """The prefix does not fit the context (a 400, like an over-long chat prompt)."""
 
     status = 400
+
+
+class PinStorageError(PinError):
+    """The registry could not be written, so the change was undone (507 Insufficient
+    Storage)."""
+
+    status = 507
 
 
 def pin_token_ids(tokenizer, system: str, tools: list[dict] | None) -> list[int]:
@@ -91,9 +103,16 @@ class PinService:
             spec.prefill_s = result.elapsed_s
         key = PinKey(spec.owner, spec.name)
         self.specs[key] = spec
-        self.unrestored.pop(key, None)
+        listed = self.unrestored.pop(key, None)
         if persist:
-            self.persist()
+            try:
+                self._save(f"pin {spec.name!r} was not registered")
+            except PinStorageError:
+                del self.specs[key]
+                if listed is not None:
+                    self.unrestored[key] = listed
+                await self.engine.unpin(key)
+                raise
             await self._snapshot(spec)
         return {**self.describe(result.pin), "prefill_s": result.elapsed_s, "restored": False}
 
@@ -110,10 +129,18 @@ class PinService:
                           tenant_salt(spec.owner))
 
     async def remove(self, key: PinKey | str) -> None:
+        """Unpin: ``pins.json`` first (PinStorageError, and the pin stays, when it cannot be
+        written), then the engine (PinNotFoundError)."""
         key = pin_key(key)
+        await self.engine.get_pin(key)  # PinNotFoundError before anything changes
+        spec = self.specs.pop(key, None)
+        try:
+            self._save(f"pin {key.name!r} was not unpinned")
+        except PinStorageError:
+            if spec is not None:
+                self.specs[key] = spec
+            raise
         await self.engine.unpin(key)
-        self.specs.pop(key, None)
-        self.persist()
         path = self._snapshot_path(key)
         if path is not None:
             await asyncio.to_thread(self._remove_snapshot, path)
@@ -133,9 +160,9 @@ class PinService:
     async def sync_expired(self) -> None:
         """Forget specs whose TTL lapsed in the engine (they decayed to ordinary LRU blocks)."""
         expired = await self.engine.take_expired_pins()
-        if expired:
-            for key in expired:
-                self.specs.pop(key, None)
+        for key in expired:
+            self.specs.pop(key, None)
+        if expired or self.last_persist_error is not None:  # a failed write is retried
             self.persist()
 
     def describe(self, pin) -> dict[str, Any]:
@@ -159,19 +186,36 @@ class PinService:
     # --- persistence -----------------------------------------------------------------------
     def persist(self) -> None:
         """Write pins.json atomically (the one it replaces becomes pins.json.bak); a failure is
-        logged and reported, pins keep serving."""
+        logged and reported (``last_persist_error``), and retried by the next sync."""
+        try:
+            self._write_registry()
+        except OSError:
+            logger.error("pins.json is behind the pins served: %s", self.last_persist_error)
+
+    def _save(self, undone: str) -> None:
+        """Write pins.json, or raise PinStorageError saying what ``undone`` and what to do."""
+        try:
+            self._write_registry()
+        except OSError as exc:
+            assert self.state_dir is not None
+            raise PinStorageError(
+                f"{undone}: could not write the pin registry {self.state_dir / REGISTRY_FILE} "
+                f"({exc.strerror or exc}), so nothing changed; free space in the state dir "
+                f"{self.state_dir} (or make it writable) and retry") from exc
+
+    def _write_registry(self) -> None:
+        """Write pins.json (raises OSError, noted in ``last_persist_error``)."""
         if self.state_dir is None:
             return
         try:
             pin_store.save_registry(self.state_dir,
                                     [*self.specs.values(), *self.unrestored.values()],
                                     keep_backup=self._registry_ok)
-            self._registry_ok = True
-            self.last_persist_error = None
         except OSError as exc:
-            path = self.state_dir / REGISTRY_FILE
-            self.last_persist_error = f"could not write {path}: {exc}"
-            logger.error("pins are serving from memory only: %s", self.last_persist_error)
+            self.last_persist_error = f"could not write {self.state_dir / REGISTRY_FILE}: {exc}"
+            raise
+        self._registry_ok = True
+        self.last_persist_error = None
 
     async def _snapshot(self, spec: PinSpec) -> None:
         """Gather the pin's KV on the engine thread (a copy, between steps) into a buffer made

@@ -5,11 +5,12 @@ cache salt) — with one tenant, that is every pin — and an operator reaches e
 (``?owner=<tenant id>`` names another tenant's); a pin name matches ``PIN_NAME`` in full; a
 pin's tools are decoded through the same ``Tool`` Struct as a chat request's, so
 the pin renders exactly the tokens real requests with those tools render; a refused pin (bad
-body or longer than the context 400, name taken 409, over the pin budget 409) changes nothing
-and answers the OpenAI error envelope; a system prompt longer than the context could hold is
-refused by its character count before it is rendered or tokenised, as the chat wires refuse a
-prompt (``wires.intake``); ``POST`` answers only once the prefix is prefilled and its blocks
-are pinned.
+body or longer than the context 400, name taken 409, over the pin budget 409, a registry
+(``pins.json``) that cannot be written 507) changes nothing and answers the OpenAI error
+envelope; a system prompt longer than the context could hold is refused by its character
+count before it is rendered or tokenised, as the chat wires refuse a prompt
+(``wires.intake``); ``POST`` answers only once the prefix is prefilled, its blocks pinned and
+``pins.json`` written, ``DELETE`` only once ``pins.json`` is written without it.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from litestar.params import Body, FromPath, QueryParameter
 from agentd.cache import PinBudgetError, PinError, PinExistsError, PinKey, PinNotFoundError
 from agentd.config import parse_duration
 from agentd.pins.registry_file import PIN_NAME
-from agentd.pins.service import PinSpec, PinTooLongError
+from agentd.pins.service import PinSpec, PinStorageError, PinTooLongError
 from agentd.server.auth import cache_tenant, is_operator, require_api_key
 from agentd.server.errors import APIError, ErrorResponse
 from agentd.server.state import server_of
@@ -34,14 +35,16 @@ from agentd.server.wires.checks import check_tools
 from agentd.server.wires.intake import check_chars
 
 _CODES = {PinExistsError: "pin_exists", PinNotFoundError: "pin_not_found",
-          PinBudgetError: "pin_budget_exceeded", PinTooLongError: "context_length_exceeded"}
+          PinBudgetError: "pin_budget_exceeded", PinTooLongError: "context_length_exceeded",
+          PinStorageError: "insufficient_storage"}
 _PARAMS = {PinExistsError: "name", PinBudgetError: "name", PinTooLongError: "system"}
 _ERRORS = {status: ResponseSpec(data_container=ErrorResponse, description=description)
            for status, description in (
                (400, "Bad request (OpenAI error envelope)"), (401, "Missing or wrong API key"),
                (403, "Another tenant's pins need an admin key"), (404, "No such pin"),
                (409, "Name taken, or over the pin budget"),
-               (503, "Model loading or server shutting down"))}
+               (503, "Model loading or server shutting down"),
+               (507, "The state dir could not be written (pins.json): nothing changed"))}
 
 
 class PinCreateRequest(msgspec.Struct, kw_only=True):

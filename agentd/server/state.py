@@ -143,13 +143,14 @@ class ServerState:
                         time.monotonic() - started)
 
     async def expire_pins_forever(self, period_s: float = 1.0) -> None:
-        """Forget (in pins.json too) pins whose TTL lapsed; runs for the app's lifetime."""
+        """Forget (in pins.json too) pins whose TTL lapsed, and retry a write of pins.json that
+        failed; runs for the app's lifetime."""
         while True:
             await asyncio.sleep(period_s)
             engine, pins = self.engine, self.pins
             if engine is None or pins is None or self.closing:
                 continue
-            if engine.pin_summary().expired:
+            if engine.pin_summary().expired or pins.last_persist_error is not None:
                 try:
                     await pins.sync_expired()
                 except Exception:  # a dead engine is reported by /health, not here

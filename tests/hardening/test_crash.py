@@ -4,8 +4,10 @@
 registered, and — through the ``AGENTD_TEST_PAUSE_SNAPSHOT_S`` hook, which holds the daemon in
 the middle of writing a KV snapshot — while its snapshot is half written: after a restart
 ``pins.json`` parses, it is the old registry or the new one, and every pin it lists is restored
-and serves cache hits. A full (``/dev/full``) or unwritable state dir: pins keep serving from
-memory and the failure is reported in ``/v1/stats`` (``pin_persist_error``), not swallowed.
+and serves cache hits. A full (``/dev/full``) or unwritable state dir: a pin is never
+acknowledged (201) nor unpinned (200) unless ``pins.json`` says so — the reply is a 507 and
+nothing changes — and a pin that decays meanwhile is reported in ``/v1/stats``
+(``pin_persist_error``) and leaves ``pins.json`` once it can be written.
 """
 
 from __future__ import annotations
@@ -152,27 +154,80 @@ def state_client(tiny, tmp_path) -> Iterator[tuple[TestClient, Path]]:
         yield client, state_dir
 
 
+def break_registry(state_dir: Path, how: str) -> str:
+    """Make the next write of pins.json fail; returns what its error says. The write goes
+    through ``.pins.json.<pid>.tmp``: a link there to /dev/full gives ENOSPC (a full disk; the
+    failed write removes the link again), a directory there EISDIR (root ignores file modes)."""
+    tmp = state_dir / f".pins.json.{os.getpid()}.tmp"
+    if how == "full":
+        tmp.symlink_to("/dev/full")
+        return "No space left"
+    tmp.mkdir()
+    return "directory"
+
+
+def repair_registry(state_dir: Path) -> None:
+    tmp = state_dir / f".pins.json.{os.getpid()}.tmp"
+    if tmp.is_symlink():
+        tmp.unlink()
+    elif tmp.is_dir():
+        tmp.rmdir()
+
+
+def registry_or_none(state_dir: Path) -> list[str]:
+    return registry(state_dir) if (state_dir / "pins.json").exists() else []
+
+
 @pytest.mark.parametrize("how", ["full", "unwritable"])
-def test_a_full_or_unwritable_state_dir_is_reported_and_pins_still_serve(state_client, how: str,
-                                                                         idle) -> None:
+def test_a_pin_is_acknowledged_only_once_pins_json_holds_it(state_client, how: str,
+                                                           openai_error, idle) -> None:
+    """201 and 200 mean pins.json is written; when it cannot be, the reply is a 507 that names
+    the file and nothing changes: no pin is added, none is removed."""
     client, state_dir = state_client
-    if how == "full":  # every write of the registry lands on /dev/full: ENOSPC
-        (state_dir / f".pins.json.{os.getpid()}.tmp").symlink_to("/dev/full")
-        expect = "No space left"
-    else:  # a directory where pins.json must go (root ignores file permissions)
-        (state_dir / "pins.json").mkdir()
-        expect = "pins.json"
-    assert client.get("/v1/stats").json()["pin_persist_error"] is None
+    says = break_registry(state_dir, how)
+    error = openai_error(client.post("/v1/pins", json={"name": "mem", "system": BASE}), 507)
+    assert error["code"] == "insufficient_storage", error
+    assert says in error["message"] and str(state_dir / "pins.json") in error["message"], error
+    assert "was not registered" in error["message"], error
+    assert client.get("/v1/pins").json()["data"] == [] and registry_or_none(state_dir) == []
+    idle(client.get, num_pinned_ok=False)  # the engine let its blocks go again
+    repair_registry(state_dir)
+
     created = client.post("/v1/pins", json={"name": "mem", "system": BASE})
     assert created.status_code == 201, created.text
+    assert registry(state_dir) == ["mem"]
     try:
-        error = client.get("/v1/stats").json()["pin_persist_error"]
-        assert error and expect in error, error
+        break_registry(state_dir, how)
+        error = openai_error(client.delete("/v1/pins/mem"), 507)
+        assert "was not unpinned" in error["message"] and says in error["message"], error
+        assert registry(state_dir) == ["mem"]
+        assert [p["name"] for p in client.get("/v1/pins").json()["data"]] == ["mem"]
         reply = client.post("/v1/chat/completions", json={"max_tokens": 2, "messages": [
             {"role": "system", "content": BASE}, {"role": "user", "content": "hi"}]})
         assert reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= \
             created.json()["num_tokens"]
-        assert [p["name"] for p in client.get("/v1/pins").json()["data"]] == ["mem"]
     finally:
+        repair_registry(state_dir)
         assert client.delete("/v1/pins/mem").status_code == 200
+    assert registry(state_dir) == []
+    idle(client.get, num_pinned_ok=False)
+
+
+def test_a_pin_that_decays_leaves_pins_json_once_it_can_be_written(state_client, poll,
+                                                                  idle) -> None:
+    """A TTL that lapses while pins.json cannot be written is reported, and the registry
+    catches up by itself once it can be: the decayed pin does not come back at a restart."""
+    client, state_dir = state_client
+    created = client.post("/v1/pins", json={"name": "brief", "system": BASE, "ttl": 1})
+    assert created.status_code == 201, created.text
+    break_registry(state_dir, "unwritable")
+    try:
+        poll(lambda: client.get("/v1/pins").json()["data"], lambda data: data == [])
+        assert registry(state_dir) == ["brief"]
+        error = client.get("/v1/stats").json()["pin_persist_error"]
+        assert error and "pins.json" in error, error
+    finally:
+        repair_registry(state_dir)
+    poll(lambda: registry(state_dir), lambda names: names == [])  # no request needed
+    assert client.get("/v1/stats").json()["pin_persist_error"] is None
     idle(client.get, num_pinned_ok=False)

@@ -22,7 +22,7 @@ from agentd.engine.sampling_params import SamplingParams
 from agentd.llm import LLM
 from agentd.pins.near_miss import CLAUDE_CODE_FIX, CLAUDE_CODE_HEADER
 from agentd.pins.pin_request import PinRequest
-from agentd.pins.service import PinService, PinSpec, pin_token_ids
+from agentd.pins.service import PinService, PinSpec, PinStorageError, pin_token_ids
 
 BLOCK_BYTES_TINY_LLAMA = 2 * 2 * 16 * 2 * 16 * 4  # layers * K/V * block * kv heads * dim * fp32
 
@@ -305,7 +305,10 @@ def test_unreadable_registry_without_a_backup_is_reported_and_kept(tiny_llama, t
     assert (tmp_path / "pins.json.rejected").read_text() == "{not json"
 
 
-def test_registry_write_failure_is_reported_and_pins_still_serve(tiny_llama, research, tmp_path):
+def test_registry_write_failure_refuses_the_pin_and_changes_nothing(tiny_llama, research,
+                                                                    tmp_path):
+    """A pin is registered only with pins.json written: otherwise PinStorageError (507), the
+    failure reported, and the engine holds no pin (its blocks are ordinary cache again)."""
     blocker = tmp_path / "state"
     blocker.write_text("a file where the state dir should be")
 
@@ -313,10 +316,13 @@ def test_registry_write_failure_is_reported_and_pins_still_serve(tiny_llama, res
         engine = make_engine(tiny_llama)
         try:
             service = PinService(engine, blocker)
-            info = await service.add(PinSpec("research", research["system"], None))
-            assert service.last_persist_error is not None
-            last, _ = await chat(engine, research["system"], "hello")
-            assert last.num_cached_tokens >= info["num_tokens"]
+            with pytest.raises(PinStorageError, match="pin 'research' was not registered") as exc:
+                await service.add(PinSpec("research", research["system"], None))
+            assert exc.value.status == 507 and str(blocker / "pins.json") in str(exc.value)
+            assert service.last_persist_error is not None and service.specs == {}
+            assert await engine.list_pins() == []
+            report = await engine.check_integrity()
+            assert report.ok and report.num_blocks_pinned == 0
         finally:
             engine.shutdown()
 

@@ -1,8 +1,10 @@
 """The Litestar application: routes, error handlers, OpenAPI, and the engine's lifespan.
 
-Invariant: ``create_app`` has no side effects; the engine is loaded (in a background thread, so
-``/health`` can answer 503 meanwhile) and started when the app's lifespan begins — its saved pins
-restored before it is published — and the engine the app loaded is shut down when it ends.
+Invariant: every body is decoded strictly as its route's type (``"max_tokens": "3"`` is a 400
+naming the field, never 3); ``create_app`` has no side effects; the engine is loaded (in a
+background thread, so ``/health`` can answer 503 meanwhile) and started when the app's lifespan
+begins — its saved pins restored before it is published — and the engine the app loaded is shut
+down when it ends.
 Everything per-app (state, metrics registry) hangs off ``app.state.agentd``, so several apps can
 live in one process.
 """
@@ -13,9 +15,9 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from litestar import Litestar
+from litestar import Litestar, Request
 from litestar.config.cors import CORSConfig
 from litestar.datastructures import State
 from litestar.openapi import OpenAPIConfig
@@ -33,6 +35,7 @@ from agentd.server.routes_responses import ResponsesController
 from agentd.server.settings import ServerSettings
 from agentd.server.state import ServerState, count_arrivals
 from agentd.server.web_guard import web_guard
+from agentd.server.wires.checks import convert_request
 
 if TYPE_CHECKING:
     from agentd.engine.async_engine import AsyncEngine
@@ -84,6 +87,7 @@ def create_app(config: EngineConfig, *, engine: AsyncEngine | None = None,
         exception_handlers=exception_handlers(
             unrouted={MessagesController.path: anthropic_error_body}),
         lifespan=[lifespan],
+        before_request=_decode_strictly,
         state=State({"agentd": server}),
         request_max_body_size=settings.max_request_body_bytes,
         logging_config=None,  # logging belongs to the process (`agentd start`), not the app
@@ -93,6 +97,15 @@ def create_app(config: EngineConfig, *, engine: AsyncEngine | None = None,
             render_plugins=[ScalarRenderPlugin()],
         ),
     )
+
+
+async def _decode_strictly(request: Request[Any, Any, Any]) -> None:
+    """Decode a route's body as its type, strictly, before Litestar converts it leniently (its
+    signature model turns ``"3"`` into 3 and ``"false"`` into False): a value of the wrong JSON
+    type is a 400 naming the field, on every wire."""
+    field = request.route_handler.parsed_data_field
+    if field is not None:  # the JSON is parsed once: Litestar keeps it for the handler
+        convert_request(await request.json(), field.annotation)
 
 
 def _cors(origins: tuple[str, ...]) -> CORSConfig | None:

@@ -147,6 +147,8 @@ def as_api_error(exc: Exception, path: str, method: str = "") -> APIError:
         return exc.to_api_error()
     if isinstance(exc, ValidationException):
         return _litestar_validation(exc)
+    if isinstance(exc, SerializationException):  # a body that is not JSON, read by our hook
+        return APIError(400, f"the request body is not valid JSON: {_json_decode_reason(exc)}")
     if isinstance(exc, HTTPException):
         return _http_error(exc, path)
     if isinstance(exc, RecursionError):

@@ -78,6 +78,10 @@ RESPONSES_CASES: dict[str, Case] = {
     "tool_choice required without tools": Case(resp(tool_choice="required"),
                                                param="tool_choice"),
     "temperature above 2": Case(resp(temperature=3), param="temperature"),
+    "max_output_tokens a numeric string": Case(resp(max_output_tokens="3"),
+                                               param="max_output_tokens", says=("got `str`",)),
+    "temperature a numeric string": Case(resp(temperature="0.5"), param="temperature"),
+    "store the string true": Case(resp(store="true"), param="store"),
     "max_output_tokens zero": Case(resp(max_output_tokens=0), param="max_output_tokens"),
     "json_schema without a schema": Case(resp(text={"format": {"type": "json_schema",
                                                                "name": "x"}}),
@@ -174,6 +178,11 @@ MESSAGES_CASES: dict[str, Case] = {
     "system block not text": Case(msg(system=[{"type": "image"}]), says=("system.0.type",)),
     "empty stop sequence": Case(msg(stop_sequences=[""]), says=("stop_sequences",)),
     "negative max_tokens": Case(msg(max_tokens=-1), says=("max_tokens",)),
+    "max_tokens a numeric string": Case(msg(max_tokens="3"), says=("max_tokens", "got `str`")),
+    "temperature a numeric string": Case(msg(temperature="0.5"), says=("temperature",)),
+    "count_tokens with a numeric string": Case(msg(max_tokens="3"),
+                                               path="/v1/messages/count_tokens",
+                                               says=("max_tokens",)),
     "unknown model": Case(msg(model="claude-nope"), status=404, says=("claude-nope",)),
     "prompt over the context": Case(msg(messages=[{"role": "user", "content": LONG_TEXT}]),
                                     says=("context length",)),
@@ -251,6 +260,19 @@ def test_bad_messages_request(client: TestClient, name: str, idle) -> None:
                                 case.status)
         for text in case.says:
             assert text in error["message"], error
+    assert footprint(client) == before
+    idle(client.get, num_pinned_ok=False)
+
+
+@pytest.mark.parametrize("text", ["false", "true"])
+def test_stream_as_a_string_is_a_400_on_both_wires(client: TestClient, text: str, openai_error,
+                                                   idle) -> None:
+    """``"stream": "false"`` is no bool (msgspec's lax conversion once made it one)."""
+    before = footprint(client)
+    error = openai_error(client.post(RESPONSES, json=resp(stream=text)), 400)
+    assert error["param"] == "stream" and "got `str`" in error["message"], error
+    error = anthropic_error(client.post(MESSAGES, json=msg(stream=text)), 400)
+    assert "stream" in error["message"] and "got `str`" in error["message"], error
     assert footprint(client) == before
     idle(client.get, num_pinned_ok=False)
 

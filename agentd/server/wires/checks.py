@@ -30,10 +30,28 @@ def decode_request(body: bytes, request_type: type[RequestT]) -> RequestT:
     try:
         return msgspec.json.decode(body, type=request_type)
     except msgspec.ValidationError as exc:
-        match = _MSGSPEC_PATH.search(str(exc))
-        raise RequestValidationError(str(exc), param=match.group(1) if match else None) from exc
+        raise _field_error(exc) from exc
     except msgspec.DecodeError as exc:
         raise RequestValidationError(f"request body is not valid JSON: {exc}") from exc
+
+
+def convert_request(value: Any, request_type: type[RequestT]) -> RequestT:
+    """A decoded JSON body as ``request_type``, strictly (``"3"`` is no int, ``"false"`` no
+    bool): msgspec's error becomes a 400 that names the field."""
+    try:
+        return msgspec.convert(value, type=request_type, strict=True)
+    except msgspec.ValidationError as exc:
+        raise _field_error(exc) from exc
+
+
+def _field_error(exc: msgspec.ValidationError) -> RequestValidationError:
+    """``invalid value for max_tokens: Expected `int`, got `str``` with ``param`` the field."""
+    match = _MSGSPEC_PATH.search(str(exc))
+    param = match.group(1) if match else None
+    if not param:
+        return RequestValidationError(str(exc).removesuffix(" - at `$`"))
+    reason = str(exc)[:match.start()] if match else str(exc)
+    return RequestValidationError(f"invalid value for {param}: {reason}", param=param)
 
 
 def validate_prompt_len(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,

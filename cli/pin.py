@@ -14,7 +14,7 @@ from typing import Any
 import click
 
 from agentd.cli._client import DaemonClient, error_message, url_option
-from agentd.config import parse_duration
+from agentd.pins.registry_file import pin_ttl_s
 
 PIN_TIMEOUT_S = 900.0  # a cold prefill of a long prompt on a CPU takes a while
 
@@ -26,7 +26,8 @@ PIN_TIMEOUT_S = 900.0  # a cold prefill of a long prompt on a CPU takes a while
               path_type=Path), help="JSON file with OpenAI-format tools (a list, or {\"tools\": "
               "[...]}).")
 @click.option("--ttl", default=None,
-              help="Unpin after this long without a hit, e.g. 90s, 15m, 1h [default: never].")
+              help="Unpin after this long without a hit, e.g. 90s, 15m, 1h (at most 365d) "
+                   "[default: never].")
 @click.option("--json", "as_json", is_flag=True, help="Print the daemon's JSON reply.")
 @url_option
 def command(file: Path, name: str | None, tools_file: Path | None, ttl: str | None,
@@ -39,7 +40,7 @@ def command(file: Path, name: str | None, tools_file: Path | None, ttl: str | No
     tools = read_tools(tools_file) if tools_file is not None else None
     if ttl is not None:
         try:
-            parse_duration(ttl)
+            pin_ttl_s(ttl)
         except ValueError as exc:
             raise click.ClickException(f"--ttl: {exc}") from None
     body: dict[str, Any] = {"name": name or file.stem, "system": system}

@@ -1,6 +1,8 @@
 """``agentd pins``: the pins a daemon holds, as a table or JSON.
 
-Invariant: read-only (``GET /v1/pins``).
+Invariants: read-only (``GET /v1/pins``); every pin's name is shown whole (folded onto more
+lines if need be) at any terminal width: number columns are dropped from the right, and the
+caption says which, before a name would be cut.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from typing import Any
 import click
 
 from agentd.cli._client import DaemonClient, url_option
+
+_NEVER_S = 100 * 365 * 86400.0
 
 
 @click.command()
@@ -28,7 +32,8 @@ def command(as_json: bool, url: str) -> None:
         return
     from rich.console import Console
 
-    Console().print(pins_table(pins))
+    console = Console()
+    console.print(fit_width(pins_table(pins), console.width))
 
 
 def pins_table(pins: list[dict[str, Any]]) -> Any:
@@ -56,10 +61,40 @@ def compact_table(title: str, name: str, numbers: list[str], **kwargs: Any) -> A
     return table
 
 
+def fit_width(table: Any, width: int) -> Any:
+    """Drop number columns from the right until the first column (the names, which rich would
+    squeeze out first) keeps its min_width within ``width``; the caption says what is left
+    out and how to see it."""
+    dropped: list[str] = []
+    while len(table.columns) > 1 and _needed_width(table) > width:
+        dropped.insert(0, " ".join(str(table.columns.pop().header).split()))
+    if dropped:
+        table.caption = (f"not shown at this width: {', '.join(dropped)}; widen the terminal "
+                         "or use --json")
+        table.caption_justify = "left"
+    return table
+
+
+def _needed_width(table: Any) -> int:
+    """The table's width with its first column at its min_width: each column's widest line and
+    its padding (1 each side), a separator between columns and an edge at each end."""
+    from rich.cells import cell_len
+
+    first, *numbers = table.columns
+    widths = [first.min_width or 1] + [
+        max(cell_len(line) for cell in (column.header, *column.cells)
+            for line in str(cell).splitlines() or [""])
+        for column in numbers]
+    return sum(widths) + 3 * len(widths) + 1
+
+
 def short_duration(seconds: float | None) -> str:
-    """``90`` → ``1m30s``, ``3600`` → ``1h``; None → ``-``."""
+    """``90`` → ``1m30s``, ``3600`` → ``1h``; None → ``-``; past a century (a TTL a registry
+    from before TTLs were bounded may hold), infinite or NaN → ``never``."""
     if seconds is None:
         return "-"
+    if not seconds < _NEVER_S:
+        return "never"
     if seconds < 10:
         return f"{seconds:.1f}s".replace(".0s", "s")
     rest = int(seconds)

@@ -23,11 +23,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from agentd.config import parse_duration
+
 logger = logging.getLogger("agentd")
 REGISTRY_FILE = "pins.json"
 BACKUP_FILE = "pins.json.bak"
 REJECTED_FILE = "pins.json.rejected"
 PIN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # always fullmatch
+MAX_TTL_S = 365 * 86400.0  # a pin's TTL: past a year it means "never", which is no TTL at all
 _OWNER = re.compile(r"[0-9a-f]{1,64}")  # a tenant id (see agentd.server.state.tenant_of)
 _FIELDS = ("name", "system", "tools", "ttl_s", "created", "prefill_s", "owner")
 
@@ -48,6 +51,17 @@ class PinSpec:
         return {"name": self.name, "system": self.system, "tools": self.tools,
                 "ttl_s": self.ttl_s, "created": self.created, "prefill_s": self.prefill_s,
                 "owner": self.owner}
+
+
+def pin_ttl_s(ttl: float | str) -> float:
+    """A pin's TTL in seconds, from seconds or a duration such as ``"90s"`` or ``"1h"``: more
+    than 0 and at most ``MAX_TTL_S``; ValueError says what is wrong (NaN, inf and 1e300
+    included)."""
+    ttl_s = parse_duration(ttl)
+    if not 0 < ttl_s <= MAX_TTL_S:
+        raise ValueError(f"ttl must be more than 0 s and at most {MAX_TTL_S / 86400:g}d (a "
+                         f"year), got {ttl!r}; omit it for a pin that lasts until unpinned")
+    return ttl_s
 
 
 # --- permissions and atomic files ------------------------------------------------------------

@@ -24,8 +24,7 @@ from litestar.openapi import ResponseSpec
 from litestar.params import Body, FromPath, QueryParameter
 
 from agentd.cache import PinBudgetError, PinError, PinExistsError, PinKey, PinNotFoundError
-from agentd.config import parse_duration
-from agentd.pins.registry_file import PIN_NAME
+from agentd.pins.registry_file import PIN_NAME, pin_ttl_s
 from agentd.pins.service import PinSpec, PinStorageError, PinTooLongError
 from agentd.server.auth import cache_tenant, is_operator, require_api_key
 from agentd.server.errors import APIError, ErrorResponse
@@ -53,7 +52,7 @@ class PinCreateRequest(msgspec.Struct, kw_only=True):
     name: str
     system: str
     tools: list[Tool] | None = None
-    ttl: float | str | None = None  # seconds, or a duration such as "90s", "15m", "1h"
+    ttl: float | str | None = None  # seconds, or a duration such as "90s", "15m", "1h"; <= 1 year
 
 
 class PinInfo(msgspec.Struct, kw_only=True):
@@ -168,12 +167,9 @@ def _ttl_s(ttl: float | str | None) -> float | None:
     if ttl is None:
         return None
     try:
-        ttl_s = parse_duration(ttl)
+        return pin_ttl_s(ttl)
     except ValueError as exc:
         raise APIError(400, str(exc), param="ttl") from exc
-    if ttl_s <= 0:
-        raise APIError(400, f"ttl must be positive, got {ttl!r}", param="ttl")
-    return ttl_s
 
 
 def _pin_error(exc: PinError) -> APIError:

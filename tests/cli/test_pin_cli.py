@@ -70,6 +70,8 @@ def test_bad_input_files_fail_before_any_request(runner: CliRunner, research: di
     assert "must hold a JSON list of OpenAI tools" in shape
     ttl = one_error_line(runner.invoke(main, ["pin", str(research["system"]), "--ttl", "soon"]))
     assert "--ttl: cannot parse duration 'soon'" in ttl
+    ttl = one_error_line(runner.invoke(main, ["pin", str(research["system"]), "--ttl", "400d"]))
+    assert "--ttl: ttl must be more than 0 s and at most 365d" in ttl
     # a good file reaches for the daemon, which is not there
     assert "no agentd daemon at" in one_error_line(
         runner.invoke(main, ["pin", str(research["system"])]))
@@ -147,6 +149,28 @@ def test_pin_pins_stats_unpin_round_trip(runner: CliRunner, daemon_url: str, res
     assert "no pin named 'research'; list the pins with `agentd pins`" in one_error_line(
         invoke(runner, daemon_url, "unpin", "research"))
     assert "no pins" in invoke(runner, daemon_url, "pins").output
+
+
+def test_pins_shows_every_name_whole_in_a_narrow_terminal(runner: CliRunner, daemon_url: str,
+                                                          tmp_path: Path) -> None:
+    """Rich squeezes the first column out first: number columns go (the caption says which)
+    before a name would lose a character."""
+    name = "research-agent-with-a-long-descriptive-name-v2.1_" + "x" * 15  # 64 characters
+    (tmp_path / "brief.txt").write_text("You are a brief agent. Answer in one line. " * 8)
+    pinned = invoke(runner, daemon_url, "pin", str(tmp_path / "brief.txt"), "--name", name)
+    assert pinned.exit_code == 0, pinned.output
+    try:
+        for columns in (30, 50, 70, 100):
+            table = runner.invoke(main, ["pins", "--url", daemon_url],
+                                  env={"COLUMNS": str(columns)})
+            assert table.exit_code == 0, table.output
+            body = table.output.split("─")[-1].split("not shown at this width")[0]
+            names = "".join(line[2:].split(" ")[0] for line in body.splitlines())
+            assert name in names and "…" not in body, table.output
+            if columns in (30, 100):  # the first drops some numbers, the second none
+                assert ("not shown at this width" in table.output) == (columns == 30)
+    finally:
+        assert invoke(runner, daemon_url, "unpin", name).exit_code == 0
 
 
 def test_stats_without_a_daemon(runner: CliRunner) -> None:

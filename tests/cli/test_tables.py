@@ -44,3 +44,11 @@ def test_names_are_whole_at_80_columns_and_the_saved_tokens_have_one_name(table:
                      if line.strip().startswith(("coding", "_", "a_", "ame", "ve_", "e_")))
     assert NAMES[2] in folded, text  # a long one folds onto more lines, every character kept
     assert "cached" in text and "tokens saved" not in text
+
+
+def test_a_ttl_too_long_to_lapse_reads_never() -> None:
+    """A registry from before TTLs were bounded may hold 1e300 s: one word, not 300 digits."""
+    from agentd.cli.pins import short_duration
+
+    assert [short_duration(s) for s in (1e300, float("inf"), float("nan"), 3600, None)] == \
+        ["never", "never", "never", "1h", "-"]

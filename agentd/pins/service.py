@@ -73,6 +73,7 @@ class PinService:
         # Listed in pins.json but not restored at start (no room, too long...): kept listed.
         self.unrestored: dict[PinKey, PinSpec] = {}
         self.last_persist_error: str | None = None
+        self.registry_behind = False  # the last write of pins.json failed: retry it
         self.restore_report: list[dict[str, Any]] = []
         self._registry_ok = False  # pins.json on disk is a good registry, worth a backup
         self._files = threading.Lock()  # snapshot writes vs deletes (worker threads)
@@ -162,7 +163,7 @@ class PinService:
         expired = await self.engine.take_expired_pins()
         for key in expired:
             self.specs.pop(key, None)
-        if expired or self.last_persist_error is not None:  # a failed write is retried
+        if expired or self.registry_behind:  # a failed write is retried
             self.persist()
 
     def describe(self, pin) -> dict[str, Any]:
@@ -213,8 +214,10 @@ class PinService:
                                     keep_backup=self._registry_ok)
         except OSError as exc:
             self.last_persist_error = f"could not write {self.state_dir / REGISTRY_FILE}: {exc}"
+            self.registry_behind = True
             raise
         self._registry_ok = True
+        self.registry_behind = False
         self.last_persist_error = None
 
     async def _snapshot(self, spec: PinSpec) -> None:

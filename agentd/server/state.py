@@ -150,7 +150,7 @@ class ServerState:
             engine, pins = self.engine, self.pins
             if engine is None or pins is None or self.closing:
                 continue
-            if engine.pin_summary().expired or pins.last_persist_error is not None:
+            if engine.pin_summary().expired or pins.registry_behind:
                 try:
                     await pins.sync_expired()
                 except Exception:  # a dead engine is reported by /health, not here

@@ -58,9 +58,11 @@ def pin_ttl_s(ttl: float | str) -> float:
     than 0 and at most ``MAX_TTL_S``; ValueError says what is wrong (NaN, inf and 1e300
     included)."""
     ttl_s = parse_duration(ttl)
-    if not 0 < ttl_s <= MAX_TTL_S:
-        raise ValueError(f"ttl must be more than 0 s and at most {MAX_TTL_S / 86400:g}d (a "
-                         f"year), got {ttl!r}; omit it for a pin that lasts until unpinned")
+    if not ttl_s > 0:  # NaN too
+        raise ValueError(f"ttl must be positive, got {ttl!r}")
+    if not ttl_s <= MAX_TTL_S:
+        raise ValueError(f"ttl must be at most {MAX_TTL_S / 86400:g}d (a year), got {ttl!r}; "
+                         "omit it for a pin that lasts until unpinned")
     return ttl_s
 
 

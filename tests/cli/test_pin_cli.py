@@ -71,7 +71,7 @@ def test_bad_input_files_fail_before_any_request(runner: CliRunner, research: di
     ttl = one_error_line(runner.invoke(main, ["pin", str(research["system"]), "--ttl", "soon"]))
     assert "--ttl: cannot parse duration 'soon'" in ttl
     ttl = one_error_line(runner.invoke(main, ["pin", str(research["system"]), "--ttl", "400d"]))
-    assert "--ttl: ttl must be more than 0 s and at most 365d" in ttl
+    assert "--ttl: ttl must be at most 365d (a year), got '400d'; omit it" in ttl
     # a good file reaches for the daemon, which is not there
     assert "no agentd daemon at" in one_error_line(
         runner.invoke(main, ["pin", str(research["system"])]))

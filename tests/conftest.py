@@ -359,3 +359,28 @@ def default_daemon(tmp_path_factory) -> Iterator[DaemonProcess]:
     with DaemonProcess(tmp_path_factory.mktemp("default-daemon") / "state",
                        "--log-level", "warning") as daemon:
         yield daemon
+
+
+CAPPED_ADDRESS_SPACE_BYTES = 3 * 2**30  # a tiny model's engine peaks near 1.2 GiB of it
+CAPPED_TIMEOUT_S = 600  # a hang guard only: the children here take seconds
+
+
+def run_capped(code: str, *args: str,
+               max_bytes: int = CAPPED_ADDRESS_SPACE_BYTES) -> subprocess.CompletedProcess:
+    """Run ``python -c code args`` with its address space capped at ``max_bytes``: where the
+    code under test would take memory without end, the child fails (xgrammar's
+    ``std::bad_alloc``, a MemoryError) instead of the machine."""
+    import resource
+
+    def cap() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (max_bytes, max_bytes))
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          preexec_fn=cap, env=env, timeout=CAPPED_TIMEOUT_S)
+
+
+@pytest.fixture(scope="session", name="run_capped")
+def run_capped_fixture() -> Callable[..., subprocess.CompletedProcess]:
+    """``run_capped(code, *args)``: a Python child under a memory cap (``run_capped``)."""
+    return run_capped

@@ -6,8 +6,9 @@ the text the grammar accepts next, one character a step: where the grammar force
 whole forced text is one step, costing the tokens it takes; a free character costs one; the goal
 is a state where the output may end (the stop token is allowed).
 
-It runs on a shadow matcher: the same grammar compiled for a vocabulary of the printable ASCII
-characters and one stop token, fed the request's output bytes. Its masks are a few words (a mask
+It runs on a shadow matcher: the same grammar compiled for a vocabulary of one token per byte
+value and a stop token (``agentd.structured.forced``), fed the request's output bytes; the next
+characters it tries are the printable ASCII ones. Its masks are a few words (a mask
 of the model's vocabulary can take milliseconds in a state xgrammar has no cache for), and
 xgrammar fills the masks of all of a state's next characters in one call
 (``traverse_draft_tree``).
@@ -28,6 +29,10 @@ three ways:
   (a string's letters, a fraction's digits), so a caller may reuse a result while only content
   is written.
 
+Forced text is walked a byte at a time, at most ``MAX_FORCED_BYTES`` a step, and a way longer
+than ``MAX_WAY_BYTES`` is not followed: a grammar that forces text without end cannot hold a
+search.
+
 Invariant: a search only reads forks of the shadow matcher, and every way it returns was walked
 by the grammar; a search that reaches ``MAX_NODES`` states without finding one returns None.
 """
@@ -45,16 +50,18 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
+from agentd.structured.forced import ALPHABET, SHADOW_VOCAB, STOP, forced_run, forced_text
+
 MAX_NODES = 8192  # states a search may reach before it gives up (~25 us each)
 MAX_BRANCHES = 16  # groups of next characters tried from one state
 MAX_STALE_RUN = 16  # content followed this far past the last state that led anywhere new
 MAX_VISITS = 10  # if nothing is found, a state that looks like one already searched from is
 # searched from again, this often, on a way through it: a counted repetition of a rule hides
 # its count from the search (an IPv4 address's octets look alike)
+MAX_WAY_BYTES = 4096  # a way this long is not followed further: it would cost more tokens than
+# any budget a request is closed within (closing is planned tens of tokens before the end)
 MAX_TOKEN_BYTES = 32
 MIN_SEGMENT_BYTES = 2  # forced text this long starts a new segment (a key, a separator)
-ALPHABET = tuple(bytes([b]) for b in (9, 10, 13, *range(32, 127)))
-_STOP = len(ALPHABET)  # the shadow vocabulary's stop token
 _CACHED_GRAMMARS = 64
 _CACHED_GROUPINGS = 4096  # per grammar
 
@@ -212,10 +219,10 @@ class ClosingSearch:
         import xgrammar as xgr
 
         self.vocab = vocab
-        info = xgr.TokenizerInfo([*ALPHABET, b"<stop>"], vocab_type=xgr.VocabType.RAW,
-                                 stop_token_ids=[_STOP])
+        info = xgr.TokenizerInfo(list(SHADOW_VOCAB), vocab_type=xgr.VocabType.RAW,
+                                 stop_token_ids=[STOP])
         self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        self._mask = xgr.allocate_token_bitmask(1, len(ALPHABET) + 1)
+        self._mask = xgr.allocate_token_bitmask(1, len(SHADOW_VOCAB))
         self._mask_np = self._mask.numpy()
         self._grammars: OrderedDict[int, _Entry] = OrderedDict()
         self.num_searches = 0
@@ -226,6 +233,10 @@ class ClosingSearch:
         import xgrammar as xgr
 
         return xgr.GrammarMatcher(self._entry(grammar).shadow)
+
+    def forced_text(self, shadow: Any) -> str:
+        """The text ``shadow``'s grammar forces next (bounded: ``agentd.structured.forced``)."""
+        return forced_text(shadow, self._mask)
 
     def search(self, shadow: Any, grammar: Any, at_start: bool = False) -> Closing | None:
         """The shortest way from ``shadow``'s state to the end of ``grammar``; None if none was
@@ -246,15 +257,12 @@ class ClosingSearch:
         self.num_searches += 1
         walker = shadow.fork()
         root_pos = _position(walker)
-        forced = walker.find_jump_forward_string().encode()
-        if forced and not walker.accept_string(forced):
-            return None
-        sig = self._sig(walker)
+        forced, sig = forced_run(walker, self._mask)
         root = _Node(self.vocab.num_tokens(forced), 0, forced, 0, sig,
                      (sig, _items(walker, root_pos), 0), 0, None)
         self._grouping(walker, sig, groupings)
         if forced:
-            walker.rollback(1)
+            walker.rollback(len(forced))
         segments: dict[bytes, int] = {}
         visits = Counter([root.key])
         seq = itertools.count(1)
@@ -285,19 +293,17 @@ class ClosingSearch:
     def _children(self, walker: Any, node: _Node, root_pos: int,
                   groupings: OrderedDict[bytes, _Grouping],
                   segments: dict[bytes, int], seq: Any) -> list[_Node]:
-        """One child per group of next characters, with the text the grammar then forces."""
-        if node.text and not walker.accept_string(node.text):
+        """One child per group of next characters, with the text the grammar then forces (none
+        past ``MAX_WAY_BYTES``)."""
+        if len(node.text) >= MAX_WAY_BYTES or node.text and not walker.accept_string(node.text):
             return []
         children = []
         for char in self._grouping(walker, node.sig, groupings).firsts:
             if not walker.accept_string(char):
                 continue
-            forced = walker.find_jump_forward_string().encode()
-            accepted = not forced or walker.accept_string(forced)
-            sig, items = self._sig(walker), _items(walker, root_pos)
-            walker.rollback(2 if forced and accepted else 1)
-            if not accepted:
-                continue
+            forced, sig = forced_run(walker, self._mask)
+            items = _items(walker, root_pos)
+            walker.rollback(1 + len(forced))
             segment = node.segment
             if len(forced) >= MIN_SEGMENT_BYTES:
                 segment = segments.setdefault(forced, len(segments) + 1)
@@ -347,7 +353,7 @@ class ClosingSearch:
         next_sibling = torch.full((num + 1,), -1, dtype=torch.int64)
         next_sibling[1:num] = torch.arange(2, num + 1)
         tokens = torch.tensor([0, *token_ids], dtype=torch.int64)
-        masks = xgr.allocate_token_bitmask(num + 1, len(ALPHABET) + 1)
+        masks = xgr.allocate_token_bitmask(num + 1, len(SHADOW_VOCAB))
         walker.traverse_draft_tree(first_child, next_sibling, tokens, masks)
         rows = masks.numpy()
         return [rows[i].tobytes() for i in range(1, num + 1)]
@@ -419,7 +425,7 @@ def _bit(sig: bytes, index: int) -> bool:
 
 
 def _may_end(sig: bytes) -> bool:
-    return _bit(sig, _STOP)
+    return _bit(sig, STOP)
 
 
 def allowed(row: torch.Tensor, token_id: int) -> bool:

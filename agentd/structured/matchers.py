@@ -319,9 +319,14 @@ class StructuredOutputs(RequestHooks):
         return req is not None and bool(req.matcher.is_terminated())
 
     def forced_text(self, request_id: str) -> str:
-        """The text the grammar allows next and nothing else ("" when there is a choice)."""
+        """The text the grammar allows next and nothing else ("" when there is a choice, or
+        without a vocabulary), at most ``agentd.structured.forced.MAX_FORCED_BYTES`` of it:
+        walked on the request's shadow matcher, as xgrammar's own walk has no bound."""
         req = self._requests.get(request_id)
-        return "" if req is None else req.matcher.find_jump_forward_string()
+        search = self.closing_search
+        if req is None or search is None:
+            return ""
+        return search.forced_text(self._shadow(req))
 
     def _hold(self, request_id: str, row: torch.Tensor) -> None:
         """Hold a row of a request near its budget as ``needs_closing`` decided: to the next

@@ -4,7 +4,10 @@ Invariant: a params ``key`` compiles once per compiler (an agent sends the same 
 request, so only its first request compiles); later requests get the cached grammar. Any thread
 may call ``compile`` (it holds a lock, and xgrammar releases the GIL while it works), so the
 server compiles off the event loop and off the engine thread. A constraint the engine cannot
-compile raises ``GrammarError`` with the engine's reason and nothing is cached.
+compile raises ``GrammarError`` with the engine's reason and nothing is cached; so does a JSON
+schema, before xgrammar sees it, that is over the size limits (``schema_tree``), has a part
+with no finite instance (``finite``) or, when strict, a keyword the grammar cannot enforce
+(``enforced``).
 
 The grammar engine is xgrammar, chosen by measurement (benchmarks/grammar_engines.py): its
 structural tags express a triggered tool-call turn directly, and its masks cost ~5 us a row.
@@ -20,6 +23,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+from agentd.structured.enforced import check_enforced
+from agentd.structured.finite import no_finite_instance
 from agentd.structured.formats import tighten_formats
 from agentd.structured.params import (
     CALL_CLOSING,
@@ -31,6 +36,7 @@ from agentd.structured.params import (
     StructuredOutputsParams,
     ToolCallsSpec,
     call_opening,
+    check_limits,
 )
 from agentd.structured.repetition import bound_numbers
 
@@ -97,7 +103,8 @@ class GrammarCompiler:
             if kind in ("json", "json_object"):
                 schema = params.json if kind == "json" else {"type": "object"}
                 return compiler.compile_grammar(_json_grammar(schema, "the JSON schema",
-                                                              params.any_whitespace))
+                                                              params.any_whitespace,
+                                                              params.strict))
             if kind == "regex":
                 return compiler.compile_regex(params.regex)
             if kind == "choice":
@@ -126,7 +133,8 @@ def tool_calls_tag(spec: ToolCallsSpec) -> Any:
                                        stop_after_first=not spec.parallel)
     if spec.answer_schema is not None:
         answer = st.GrammarFormat(grammar=_json_grammar(json.loads(spec.answer_schema),
-                                                        "the response format's schema"))
+                                                        "the response format's schema",
+                                                        strict=spec.answer_strict))
         return st.StructuralTag(format=st.OrFormat(elements=[calls, answer]))
     if spec.mode == "auto":
         calls = st.SequenceFormat(elements=[st.AnyTextFormat(excludes=[TOOL_CALL_OPEN]), calls])
@@ -134,15 +142,23 @@ def tool_calls_tag(spec: ToolCallsSpec) -> Any:
 
 
 def _arguments_grammar(function: FunctionSpec) -> str:
-    return _json_grammar(function.schema, f"the parameters schema of function {function.name!r}")
+    return _json_grammar(function.schema, f"the parameters schema of function {function.name!r}",
+                         strict=function.strict)
 
 
-def _json_grammar(schema: Any, what: str, any_whitespace: bool = False) -> str:
+def _json_grammar(schema: Any, what: str, any_whitespace: bool = False,
+                  strict: bool = False) -> str:
     """EBNF text for JSON valid against ``schema`` (compact unless ``any_whitespace``), its
     numbers bounded (``agentd.structured.repetition``) and its dates and times RFC 3339's
-    (``agentd.structured.formats``)."""
+    (``agentd.structured.formats``). A schema over the size limits, or with a part that has no
+    finite instance, or (``strict``) with a keyword the grammar cannot enforce, is a
+    GrammarError before xgrammar sees it."""
     import xgrammar as xgr
 
+    check_limits(schema, what)
+    problem = no_finite_instance(schema) or check_enforced(schema, strict)
+    if problem is not None:
+        raise GrammarError(f"{what}: {problem}")
     try:
         grammar = xgr.Grammar.from_json_schema(
             json.dumps(tighten_formats(schema)), any_whitespace=any_whitespace,

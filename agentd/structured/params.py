@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from agentd.structured.schema_tree import over_limits
+
 # The one tool-call format agentd's templates and parser speak (Hermes / Qwen2.5 style).
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
@@ -27,6 +29,14 @@ class GrammarError(ValueError):
         super().__init__(message)
         self.message = message
         self.param = param
+
+
+def check_limits(schema: Any, what: str) -> None:
+    """Raise GrammarError when ``schema`` is over ``agentd.structured.schema_tree``'s limits
+    (depth, values, properties): checked before anything walks it recursively."""
+    problem = over_limits(schema)
+    if problem is not None:
+        raise GrammarError(f"{what} is too large to compile: {problem}")
 
 
 def canonical_json(value: Any) -> str:
@@ -52,7 +62,9 @@ class FunctionSpec:
     @classmethod
     def build(cls, name: str, parameters: dict[str, Any] | None, strict: bool = False
               ) -> FunctionSpec:
+        """Raises GrammarError for a schema over ``agentd.structured.schema_tree``'s limits."""
         schema = parameters if parameters is not None else {"type": "object", "properties": {}}
+        check_limits(schema, f"the parameters schema of function {name!r}")
         return cls(name, canonical_json(schema), bool(strict))
 
     @property
@@ -76,6 +88,7 @@ class ToolCallsSpec:
     mode: Literal["auto", "required"] = "required"
     parallel: bool = True
     answer_schema: str | None = None  # auto only: a turn without calls is this JSON (canonical)
+    answer_strict: bool = False  # the answer schema is strict (``StructuredOutputsParams``)
 
     def __post_init__(self) -> None:
         if not self.functions:
@@ -98,6 +111,10 @@ class StructuredOutputsParams:
     ``choice``: one of these strings. ``grammar``: an EBNF grammar (xgrammar/GBNF dialect, rule
     ``root``). ``tool_calls``: agentd's tool-call turn (see ``ToolCallsSpec``).
     ``any_whitespace``: let JSON carry free whitespace (default: compact ``{"a": 1, "b": 2}``).
+    ``strict``: ``json`` is strict as OpenAI's ``strict: true`` reads it: every property
+    required and no others (``strict_schema``), and a keyword the grammar cannot enforce is a
+    GrammarError rather than best effort (``agentd.structured.enforced``).
+    A ``json`` schema over ``agentd.structured.schema_tree``'s limits is a GrammarError.
     """
 
     json: dict[str, Any] | str | None = None
@@ -107,6 +124,7 @@ class StructuredOutputsParams:
     grammar: str | None = None
     tool_calls: ToolCallsSpec | None = None
     any_whitespace: bool = False
+    strict: bool = False
     key: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -123,6 +141,12 @@ class StructuredOutputsParams:
                 object.__setattr__(self, "json", json.loads(self.json))
             except ValueError as exc:
                 raise ValueError(f"the json schema is not valid JSON: {exc}") from exc
+        if self.strict and self.json is None:
+            raise ValueError("strict applies to a json schema only")
+        if self.json is not None:
+            check_limits(self.json, "the JSON schema")
+            if self.strict:
+                object.__setattr__(self, "json", strict_schema(self.json))
         object.__setattr__(self, "key", self._key())
 
     @property
@@ -132,9 +156,9 @@ class StructuredOutputsParams:
     def _key(self) -> bytes:
         value: Any = getattr(self, self.kind)
         if isinstance(value, ToolCallsSpec):
-            value = [value.mode, value.parallel, value.answer_schema,
+            value = [value.mode, value.parallel, value.answer_schema, value.answer_strict,
                      [[f.name, f.parameters, f.strict] for f in value.functions]]
-        return canonical_json([self.kind, value, self.any_whitespace]).encode()
+        return canonical_json([self.kind, value, self.any_whitespace, self.strict]).encode()
 
 
 _SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
@@ -166,14 +190,15 @@ def strict_schema(schema: Any) -> Any:
 
 def tool_calls_params(tools: list[dict[str, Any]], tool_choice: Any = None,
                       parallel_tool_calls: bool | None = None,
-                      answer_schema: dict[str, Any] | None = None
+                      answer_schema: dict[str, Any] | None = None, answer_strict: bool = False
                       ) -> StructuredOutputsParams | None:
     """The constraint for OpenAI-shaped ``tools`` and ``tool_choice`` ("auto"/None, "required",
     "none" or ``{"type": "function", "function": {"name": ...}}``); None when tools are off.
 
     One call per turn unless ``parallel_tool_calls`` is True (see
     ``agentd.server.wires.chat_plan`` for why). ``answer_schema``: beside a JSON response
-    format, an ``auto`` turn is calls or one JSON answer.
+    format, an ``auto`` turn is calls or one JSON answer (``answer_strict``: that format is
+    strict; its schema is already ``strict_schema``'s).
     """
     if not tools or tool_choice == "none":
         return None
@@ -190,5 +215,5 @@ def tool_calls_params(tools: list[dict[str, Any]], tool_choice: Any = None,
         spec = ToolCallsSpec(functions, "required", parallel)
     else:
         answer = None if answer_schema is None else canonical_json(answer_schema)
-        spec = ToolCallsSpec(functions, "auto", parallel, answer)
+        spec = ToolCallsSpec(functions, "auto", parallel, answer, answer_strict)
     return StructuredOutputsParams(tool_calls=spec)

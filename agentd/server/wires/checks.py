@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import msgspec
 
 from agentd.server.errors import RequestValidationError
+from agentd.structured.schema_tree import over_limits
 
 MAX_STOP_SEQUENCES = 4
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what a torch generator accepts
@@ -171,3 +172,6 @@ def check_parameters(parameters: dict[str, Any] | None, where: str) -> None:
         )
     if not isinstance(parameters.get("properties", {}), dict):
         raise RequestValidationError(f"{where}.properties must be an object", where)
+    problem = over_limits(parameters)  # before the chat template renders it
+    if problem is not None:
+        raise RequestValidationError(f"{where} is too large to compile: {problem}", where)

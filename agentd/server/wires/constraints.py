@@ -4,7 +4,9 @@ Invariant: tools that are on (``tool_choice`` not "none") always constrain the t
 that appears names one of the tools and carries arguments valid against its schema — and a
 request names at most one output format (``response_format``, ``structured_outputs`` or a
 ``guided_*`` field). Anything that cannot become a grammar is a 400 naming the field that
-carries it, raised before the request reaches the engine.
+carries it, raised before the request reaches the engine: a schema over the size limits, with a
+part that has no finite instance, or (``strict: true``) with a keyword the grammar cannot
+enforce among them (``agentd.structured``'s compiler).
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from agentd.server.wires.openai_types import ConstraintFields
 from agentd.structured.params import (
     GrammarError,
     StructuredOutputsParams,
-    strict_schema,
     tool_calls_params,
 )
 
@@ -60,9 +61,20 @@ def tool_constraint(tools: list[dict[str, Any]], tool_choice: Any,
                     parallel_tool_calls: bool | None, answer: Constraint | None) -> Constraint:
     """The turn's constraint when tools are on: calls only (required, named), or free text then
     calls (auto) — or, beside a JSON output format, calls or one JSON answer."""
-    params = tool_calls_params(tools, tool_choice, parallel_tool_calls, _answer_schema(answer))
+    strict = answer is not None and answer.params.strict
+    try:
+        params = tool_calls_params(tools, tool_choice, parallel_tool_calls,
+                                   _answer_schema(answer), strict)
+    except GrammarError as exc:
+        raise RequestValidationError(f"tools: {exc.message}", "tools") from exc
     assert params is not None  # tools are on
     return Constraint(params, "tools")
+
+
+def json_constraint(schema: Any, param: str, strict: bool = False) -> Constraint:
+    """The constraint of a JSON schema carried by ``param`` (strict: OpenAI's ``strict:
+    true``); a 400 naming ``param`` for a schema over the size limits."""
+    return _build(param, json=schema, strict=bool(strict))
 
 
 async def compile_constraint(engine: AsyncEngine, constraint: Constraint | None) -> Any:
@@ -104,8 +116,7 @@ def _response_format(req: ConstraintFields) -> StructuredOutputsParams | None:
         raise RequestValidationError(
             'response_format of type "json_schema" needs json_schema.schema',
             "response_format.json_schema")
-    schema = strict_schema(spec.schema) if spec.strict else spec.schema
-    return StructuredOutputsParams(json=schema)
+    return json_constraint(spec.schema, "response_format", bool(spec.strict)).params
 
 
 def _build(param: str, **fields: Any) -> Constraint:

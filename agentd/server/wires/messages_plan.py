@@ -29,14 +29,13 @@ from agentd.engine.sampling_params import SamplingParams
 from agentd.server.errors import RequestValidationError as Invalid
 from agentd.server.wires.cache_control import ANTHROPIC_TTLS, parse_ttl
 from agentd.server.wires.checks import check_max_tokens, check_range
-from agentd.server.wires.constraints import Constraint, tool_constraint
+from agentd.server.wires.constraints import Constraint, json_constraint, tool_constraint
 from agentd.server.wires.messages_types import MessagesRequest
 from agentd.server.wires.plan import Plan, prewarm_params
 from agentd.server.wires.prompts import TOOLS_CUT, breakpoint_len, render_ids
 from agentd.server.wires.serving import new_request_id
 from agentd.server.wires.tool_calls import ToolMode
 from agentd.server.wires.tools import ToolSet, anthropic_tools
-from agentd.structured.params import StructuredOutputsParams
 
 
 @dataclass(frozen=True)
@@ -105,7 +104,7 @@ def _output_format(config: dict[str, Any] | None) -> Constraint | None:
             fmt.get("schema"), dict):
         raise Invalid('output_config.format must be {"type": "json_schema", "schema": {...}}',
                       "output_config.format")
-    return Constraint(StructuredOutputsParams(json=fmt["schema"]), "output_config.format")
+    return json_constraint(fmt["schema"], "output_config.format")
 
 
 def _retention(conv: Conversation, tokenizer: Any, ids: list[int]) -> RetentionRequest | None:

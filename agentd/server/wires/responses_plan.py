@@ -26,14 +26,14 @@ from agentd.server.errors import RequestValidationError as Invalid
 from agentd.server.response_store import StoredResponse
 from agentd.server.wires.cache_control import OPENAI_BREAKPOINT_TTLS, openai_retention, parse_ttl
 from agentd.server.wires.checks import check_max_tokens, check_range
-from agentd.server.wires.constraints import Constraint, tool_constraint
+from agentd.server.wires.constraints import Constraint, json_constraint, tool_constraint
 from agentd.server.wires.plan import Plan
 from agentd.server.wires.prompts import breakpoint_len, continuation_ids, render_ids
 from agentd.server.wires.responses_types import Response, ResponsesRequest
 from agentd.server.wires.serving import new_request_id
 from agentd.server.wires.tool_calls import ToolMode
 from agentd.server.wires.tools import ToolSet, responses_tools
-from agentd.structured.params import StructuredOutputsParams, strict_schema
+from agentd.structured.params import StructuredOutputsParams
 
 
 @dataclass(frozen=True)
@@ -109,8 +109,7 @@ def _text_format(req: ResponsesRequest) -> Constraint | None:
     if fmt.schema is None:
         raise Invalid('text.format of type "json_schema" needs a schema',
                                      "text.format.schema")
-    schema = strict_schema(fmt.schema) if fmt.strict else fmt.schema
-    return Constraint(StructuredOutputsParams(json=schema), "text.format")
+    return json_constraint(fmt.schema, "text.format", bool(fmt.strict))
 
 
 def _retention(req: ResponsesRequest, parsed: ParsedInput, whole: bool, tokenizer: Any,

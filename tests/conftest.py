@@ -199,7 +199,9 @@ LONGEST_FIRST = (
     "engine/test_spec_engine.py",  # ~28 s
     "server/test_retention_e2e.py",  # ~26 s
     "kernels/test_prefill_attention.py",  # ~25 s: Triton's interpreter
+    "hardening/test_schema_fuzz.py",  # ~26 s: a capped child loads the tiny model
     "hardening/test_fuzz.py",  # ~23 s
+    "structured/test_forced.py",  # ~25 s: a capped child compiles two endless grammars
     "model/test_packed_linear.py",  # ~23 s
     "engine/test_pin_restore.py",  # ~23 s
     "hardening/test_disconnects.py",  # ~21 s

@@ -7,6 +7,7 @@ A schema without strict keeps such a keyword as best effort."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -142,6 +143,28 @@ def test_messages_refuses_in_anthropics_shape(client: TestClient, name: str, idl
     assert payload["type"] == "error" and payload["error"]["type"] == "invalid_request_error"
     assert all(text in payload["error"]["message"] for text in says), payload
     idle(client.get, num_pinned_ok=False)
+
+
+def too_deep_body(body: dict[str, Any], depth: int = 5000) -> str:
+    """``body`` as JSON text with its ``"DEEP"`` string an object schema ``depth`` levels deep
+    (written as text: json.dumps itself recurses out near 1,000 levels)."""
+    schema = '{"type": "object", "properties": {"a": ' * depth + '{"type": "integer"}' + \
+        "}}" * depth
+    return json.dumps(body).replace('"DEEP"', schema)
+
+
+def test_a_body_too_deep_to_decode_is_a_400(client: TestClient, openai_error) -> None:
+    """Past the 64 levels a schema may nest, a body of 5,000 is past what msgspec's decoder
+    takes (it recurses per level); its RecursionError is a 400 too, on every wire."""
+    headers = {"content-type": "application/json"}
+    for path, body in (("/v1/chat/completions", chat(response_format=json_format("DEEP"))),
+                       ("/v1/responses", responses(text={"format": {
+                           "type": "json_schema", "name": "out", "schema": "DEEP"}}))):
+        response = client.post(path, content=too_deep_body(body), headers=headers)
+        assert "nests too deep" in openai_error(response, 400)["message"]
+    response = client.post("/v1/messages", content=too_deep_body(messages(output_config={
+        "format": {"type": "json_schema", "schema": "DEEP"}})), headers=headers)
+    assert response.status_code == 400 and "nests too deep" in response.text, response.text
 
 
 def test_without_strict_an_unenforced_keyword_is_best_effort(client: TestClient) -> None:

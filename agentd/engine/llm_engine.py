@@ -141,6 +141,7 @@ class LLMEngine:
             memory_probe, unresident)
         self.num_blocks = self.kv_plan.num_blocks
         self.max_model_len = self.kv_plan.max_model_len
+        loaded.model.fit_context(self.max_model_len)  # the rotary table for the context served
         backend = get_attention_backend(config.attention_backend, loaded.device)
         # routers' KV events: every hash the pool stores or evicts (a null sink unless asked)
         self.kv_events = open_kv_events(config.kv_events, self.model_name, config.block_size,

@@ -19,7 +19,7 @@ from agentd.config import EngineConfig
 from agentd.kernels import matmul_dtype
 from agentd.model.dispatch import KernelChoice, calibrate, install, pick_auto
 from agentd.model.isa import CpuIsa, detect_isa
-from agentd.model.llama import LlamaModel, ModelDims, RotaryEmbedding
+from agentd.model.llama import LlamaModel, ModelDims
 from agentd.model.loader import (
     ModelFiles,
     iter_state_dict,
@@ -228,9 +228,9 @@ def load_model(config: EngineConfig) -> LoadedModel:
     kernels = install_weights(model, weights, files, config)
     num_packed = pack_linears(model) if device.type == "cpu" and config.cpu_linear == "onednn" \
         else 0
-    # The cos/sin table stays float32 whatever the weights' dtype (built after the cast).
-    model.rotary = RotaryEmbedding(hf_config, model.dims.head_dim,
-                                   model.dims.max_position_embeddings).to(device)
+    # The cos/sin table stays float32 whatever the weights' dtype (built after the cast); the
+    # engine fits it to the context it serves.
+    model.fit_context(model.rotary.num_positions)
     release_free_memory()
     dtype_name = str(dtype).removeprefix("torch.")
     # A weight format other than the dtype changes every output: it is part of the fingerprint.

@@ -32,6 +32,9 @@ from agentd.model.onednn import (  # noqa: F401
 )
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# The rotary table's length until the engine fits it to the context it serves (its cos and sin
+# cost 8 bytes a position and rotary pair: 4 MiB for head size 128).
+ROPE_POSITIONS_BEFORE_FIT = 8192
 
 
 @dataclass
@@ -133,10 +136,21 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config, head_dim: int, max_positions: int) -> None:
         super().__init__()
-        inv_freq, scaling = rope_inv_freq(config, head_dim)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        self.register_buffer("cos", freqs.cos() * scaling, persistent=False)
-        self.register_buffer("sin", freqs.sin() * scaling, persistent=False)
+        self.inv_freq, self.scaling = rope_inv_freq(config, head_dim)  # float32, on the CPU
+        self.fit(max_positions)
+
+    @property
+    def num_positions(self) -> int:
+        return self.cos.shape[0]
+
+    def fit(self, num_positions: int, device: torch.device | str | None = None) -> None:
+        """Build the float32 table for positions ``[0, num_positions)`` on ``device``."""
+        freqs = torch.outer(torch.arange(num_positions, dtype=torch.float32), self.inv_freq)
+        cos, sin = freqs.cos() * self.scaling, freqs.sin() * self.scaling
+        if device is not None:
+            cos, sin = cos.to(device), sin.to(device)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def table(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTable:
         """cos and sin at ``positions``, ``[T, 1, D/2]`` each: looked up once per step, used by
@@ -283,7 +297,9 @@ class LlamaModel(nn.Module):
     def __init__(self, config, max_positions: int | None = None,
                  device: torch.device | str | None = None) -> None:
         """``device="meta"`` builds the shapes only, for :meth:`materialize` and a checkpoint
-        load."""
+        load. The rotary table covers ``max_positions``, by default the model's context up to
+        ``ROPE_POSITIONS_BEFORE_FIT``: a header may claim any context, and the engine fits the
+        table to the one it serves (:meth:`fit_context`)."""
         super().__init__()
         self.dims = dims = ModelDims.from_config(config)
         # An explicit weight skips the random init (normal_ on meta would import torch._dynamo);
@@ -295,8 +311,9 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(dims.hidden_size, dims.rms_norm_eps, device)
         self.lm_head = nn.Linear(dims.hidden_size, dims.vocab_size, bias=False, device=device)
         self.tie_weights()
-        self.rotary = RotaryEmbedding(config, dims.head_dim,
-                                      max_positions or dims.max_position_embeddings)
+        self.rotary = RotaryEmbedding(
+            config, dims.head_dim,
+            max_positions or min(dims.max_position_embeddings, ROPE_POSITIONS_BEFORE_FIT))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_caches: list[torch.Tensor], meta: AttentionMetadata,
@@ -335,6 +352,12 @@ class LlamaModel(nn.Module):
             after = norms[i + 1][0] if i + 1 < len(norms) else self.norm
             h = fused.add_rms_norm(layer.mlp(h), residual, after.weight, after.eps)
         return h
+
+    def fit_context(self, num_positions: int) -> None:
+        """Rebuild the rotary table for positions ``[0, num_positions)``, in float32 whatever
+        the weights' dtype, where the table is now: the context served, not the model's claim
+        (a GGUF saying 2^32 - 1 would ask for a 16 GiB table)."""
+        self.rotary.fit(num_positions, self.rotary.cos.device)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -27,6 +27,7 @@ from agentd.model.loader import (
     load_tokenizer,
     model_fingerprint,
     resolve_model,
+    served_gguf,
 )
 from agentd.model.onednn import pack_linears, release_free_memory, reuse_large_buffers
 from agentd.model.quant import IntGroups
@@ -179,9 +180,10 @@ def load_gguf(config: EngineConfig) -> LoadedModel:
     from agentd.model.gguf_model import kernel_path, load_gguf_model
 
     start = time.perf_counter()
+    # The header is checked and the model built before the tokenizer is built from the file's
+    # metadata: a damaged file is one line about the file, not a tokenizer error seconds later.
+    gguf = load_gguf_model(served_gguf(config.model))
     files = resolve_model(config.model, serve_gguf=True)
-    assert files.gguf is not None
-    gguf = load_gguf_model(files.gguf)
     if config.mlock:
         locking = time.perf_counter()
         problem = gguf.file.lock()

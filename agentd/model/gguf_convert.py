@@ -11,7 +11,9 @@ transformers does), and the config from the same GGUF-to-config key table
 (tests/model/test_loader.py holds both to transformers). A file outside what is mirrored here
 (another architecture, a llama file that transformers reads as mistral, Llama 3's rope_freqs, a
 tensor type agentd does not dequantize, a tensor of unknown role) gets False from
-:func:`convert`, and the caller converts it through transformers as before.
+:func:`convert`, and the caller converts it through transformers as before; a file whose header
+claims what it does not hold (:mod:`agentd.model.gguf_check`) is a ``GgufHeaderError``, which no
+reader would do better with.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch
 from agentd.kernels.cpu import GGML_TYPES
 from agentd.kernels.cpu import dequantize as dequantize_rows
 from agentd.model.gguf_index import GgufFile
-from agentd.model.load_errors import ModelLoadError
+from agentd.model.load_errors import GgufHeaderError, ModelLoadError
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 _TOP = {"token_embd.weight": "model.embed_tokens.weight", "output.weight": "lm_head.weight",
@@ -97,6 +99,8 @@ def convert(path: Path, out_dir: Path, weights_file: str) -> bool:
 
     try:
         gguf = GgufFile.open(path)
+    except GgufHeaderError:  # a header that lies: no reader will do better with it
+        raise
     except (ModelLoadError, ValueError, OSError, struct.error):  # transformers says what is wrong
         return False
     values = config_dict(gguf)

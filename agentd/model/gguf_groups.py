@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from agentd.model.gguf_index import read_index
+from agentd.model.gguf_check import check_layout
+from agentd.model.gguf_header import read_index
 from agentd.model.quant import IntGroups
 
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
@@ -115,6 +116,7 @@ def _unpermute_rows(groups: IntGroups, num_heads: int) -> IntGroups:
 def read_int4_groups(path: Path) -> dict[str, IntGroups]:
     """Every Q4_0/Q4_1/Q4_K linear weight of the GGUF at ``path``, by transformers' name."""
     index = read_index(path)
+    check_layout(index)  # the model's own claims were checked when it was converted
     arch = index.fields.get("general.architecture")
     num_heads = index.fields.get(f"{arch}.attention.head_count")
     num_kv_heads = index.fields.get(f"{arch}.attention.head_count_kv") or num_heads

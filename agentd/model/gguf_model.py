@@ -14,7 +14,9 @@ permutation, so every q.k, and the outputs, are unchanged, and the KV cache hold
 order. Qwen2/Qwen3 files are not permuted.
 
 Invariant: no float copy of a quantized weight exists; every parameter and buffer of the model
-comes from the file (a tensor the file lacks is a one-line ``ModelLoadError``, never zeros).
+comes from the file (a tensor the file lacks is a one-line ``ModelLoadError``, never zeros), and
+nothing is built before the header has been held to the file (``gguf_check``: its layer count
+and shapes are the tensors', every tensor lies inside the file).
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
 
 
 def model_config(gguf: GgufFile) -> ModelConfig:
-    """The model's config from the GGUF header (llama/qwen2/qwen3 keys), in transformers' names."""
+    """The model's config from the GGUF header (llama/qwen2/qwen3 keys), in transformers' names;
+    ``GgufFile.open`` has held these keys to the tensors (``gguf_check``)."""
     fields, names = gguf.index.fields, gguf.tensors
     arch = fields.get("general.architecture")
     if arch not in ARCHITECTURES:
@@ -49,12 +52,6 @@ def model_config(gguf: GgufFile) -> ModelConfig:
         return fields.get(f"{arch}.{name}", default)
 
     hidden, num_heads = key("embedding_length"), key("attention.head_count")
-    missing = [k for k, v in (("block_count", key("block_count")), ("embedding_length", hidden),
-                              ("feed_forward_length", key("feed_forward_length")),
-                              ("attention.head_count", num_heads)) if not isinstance(v, int)]
-    if missing:
-        raise ModelLoadError(f"{gguf.path.name} lacks {', '.join(f'{arch}.{k}' for k in missing)}"
-                             " (or has them per layer); pass a GGUF made by llama.cpp's converter")
     head_dim = key("attention.key_length") or hidden // num_heads
     if (key("rope.dimension_count") or head_dim) != head_dim:
         raise ModelLoadError(f"{gguf.path.name}: rotary over {key('rope.dimension_count')} of "
@@ -179,6 +176,6 @@ def kernel_path() -> str:
 
 def load_gguf_model(path: Path) -> GgufModel:
     """Map ``path`` and build its model; the tokenizer is loaded apart (``default_model``)."""
-    gguf = GgufFile.open(path)
+    gguf = GgufFile.open(path, ggml.GGML_TYPES)
     config = model_config(gguf)
     return GgufModel(gguf, config, build_model(gguf, config))

@@ -13,3 +13,9 @@ class ModelLoadError(Exception):
 
 class UnsupportedModelError(ModelLoadError):
     """The model's architecture is not one agentd implements."""
+
+
+class GgufHeaderError(ModelLoadError):
+    """A GGUF's header claims what its bytes do not hold (a count or length past the end of the
+    file, a tensor where there is none, a shape its model's metadata contradicts); one line that
+    names the item, what it claims and what the file holds."""

@@ -4,8 +4,9 @@ Invariant: `resolve_model` returns a `ModelFiles` whose `path` is a complete loc
 directory (config.json, safetensors or .bin weights, tokenizer files). A `.gguf` (the default
 model included) is converted once into the cache by `default_model`, and the converted directory
 appears under its final name only when complete; served as it ships (``serve_gguf``), it is not
-converted: `gguf` names the file and `path` holds its cached tokenizer files alone. Every failure
-a user can fix surfaces as a one-line `ModelLoadError` that says what to do.
+converted: `gguf` names the file (``served_gguf`` finds it without reading it, so its header is
+checked before the tokenizer is built from it) and `path` holds its cached tokenizer files alone.
+Every failure a user can fix surfaces as a one-line `ModelLoadError` that says what to do.
 """
 
 from __future__ import annotations
@@ -72,22 +73,17 @@ def resolve_model(
     from agentd.model import default_model
 
     cache = cache_dir if cache_dir is not None else default_cache_dir()
+    if serve_gguf:
+        gguf = served_gguf(model)
+        return ModelFiles(path=default_model.ensure_tokenizer(gguf, cache),
+                          name=default_model.DEFAULT_MODEL_NAME if model is None
+                          else Path(model).expanduser().stem,
+                          source="default" if model is None else model, gguf=gguf)
     if model is None:
         gguf = default_model.default_gguf_path()
-        if serve_gguf:
-            return ModelFiles(path=default_model.ensure_tokenizer(gguf, cache),
-                              name=default_model.DEFAULT_MODEL_NAME, source="default", gguf=gguf)
         path = default_model.ensure_converted(gguf, cache, progress=progress)
         return ModelFiles(path=path, name=default_model.DEFAULT_MODEL_NAME, source="default")
     local = Path(model).expanduser()
-    if serve_gguf and local.is_file() and local.suffix == ".gguf":
-        return ModelFiles(path=default_model.ensure_tokenizer(local, cache), name=local.stem,
-                          source=model, gguf=local.resolve())
-    if serve_gguf and (local.exists() or _HUB_ID.fullmatch(model)):
-        raise ModelLoadError(
-            f"--weights gguf serves a .gguf file's own tensors, and {model} is not one; pass "
-            "--model with a .gguf file (or no --model for the default model), or another --weights"
-        )
     if local.is_dir():
         return ModelFiles(path=_check_hf_dir(local), name=local.resolve().name, source=model)
     if local.is_file():
@@ -99,7 +95,29 @@ def resolve_model(
         return ModelFiles(path=path, name=local.stem, source=model)
     if _HUB_ID.fullmatch(model) and not model.endswith(".gguf"):
         return ModelFiles(path=_check_hf_dir(_fetch_from_hub(model)), name=model, source=model)
-    raise ModelLoadError(
+    raise _not_found(model)
+
+
+def served_gguf(model: str | None) -> Path:
+    """The .gguf file ``--weights gguf`` serves for ``model`` (None: the default model's), found
+    without reading it: the caller checks its header before anything is built from it."""
+    from agentd.model import default_model
+
+    if model is None:
+        return default_model.default_gguf_path()
+    local = Path(model).expanduser()
+    if local.is_file() and local.suffix == ".gguf":
+        return local.resolve()
+    if local.exists() or _HUB_ID.fullmatch(model):
+        raise ModelLoadError(
+            f"--weights gguf serves a .gguf file's own tensors, and {model} is not one; pass "
+            "--model with a .gguf file (or no --model for the default model), or another --weights"
+        )
+    raise _not_found(model)
+
+
+def _not_found(model: str) -> ModelLoadError:
+    return ModelLoadError(
         f"model not found: {model}; pass an existing model directory, a .gguf file, "
         "or a Hugging Face hub id such as org/name"
     )

@@ -17,7 +17,7 @@ from agentd.engine.sampling_params import SamplingParams
 from agentd.llm import LLM
 from agentd.model.dispatch import ACCURATE_FORMATS, calibrate
 from agentd.model.gguf_groups import int4_groups, read_int4_groups
-from agentd.model.gguf_index import read_index
+from agentd.model.gguf_header import read_index
 from agentd.model.isa import CpuIsa, detect_isa
 from agentd.model.quant import (
     HalfLinear,

@@ -209,13 +209,12 @@ def command(**params: Any) -> None:
                              "model": config.model or DEFAULT_MODEL_NAME,
                              "log": params["log_file"]})
     try:
-        from agentd.server.serve import serve
+        from agentd.server.serve import exit_process, serve
 
         status = serve(config, settings, sock, log_level=params["log_level"])
     finally:
         paths.remove_if_owned(os.getpid())
-    if status:
-        sys.exit(status)
+    exit_process(status)  # at once if stopped while loading: the load ends with the process
 
 
 def _echo_startup(url: str, key: str | None) -> None:

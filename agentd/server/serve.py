@@ -4,19 +4,25 @@ Invariants: the listening socket exists before the model starts loading, so a po
 at once and ``/health`` answers (503) during the load; the return value is the process's exit
 status: 0 after ``POST /admin/shutdown`` or SIGINT/SIGTERM, 1 when the model failed to load.
 Stopping — by ``POST /admin/shutdown`` or a signal — gives in-flight requests
-``shutdown_grace_s`` to finish, then aborts them, each with a reply. A connection that has not
-sent a request's whole headers within ``read_timeout_s`` of its first byte (or of connecting) is
-answered 408 and closed, so clients that trickle headers cannot hold connections forever (the
-body's own timeout is ``agentd.server.web_guard``'s).
+``shutdown_grace_s`` to finish, then aborts them, each with a reply. Stopping while the model
+loads does not wait for the load: the server exits, and :func:`exit_process` ends the process
+without running interpreter teardown under the loading thread, which ends the load with it. A
+connection that has not sent a request's whole headers within ``read_timeout_s`` of its first
+byte (or of connecting) is answered 408 and closed, so clients that trickle headers cannot hold
+connections forever (the body's own timeout is ``agentd.server.web_guard``'s).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
+import sys
+import threading
 from collections.abc import Callable
 from types import FrameType
+from typing import NoReturn
 
 import h11
 import msgspec
@@ -27,6 +33,7 @@ from agentd.config import EngineConfig
 from agentd.server.app import create_app
 from agentd.server.errors import error_body
 from agentd.server.settings import ServerSettings
+from agentd.server.state import LOADER_THREAD_NAME
 
 logger = logging.getLogger("agentd.server")
 
@@ -114,7 +121,10 @@ def http_protocol(header_timeout_s: float) -> type[H11Protocol]:
 
 class _Server(uvicorn.Server):
     """uvicorn, with SIGINT/SIGTERM taking the same graceful path as ``POST /admin/shutdown``
-    (requests still running near the end of the grace period are aborted with a reply)."""
+    (requests still running near the end of the grace period are aborted with a reply) and
+    ending the same way: ``serve`` returns the exit status. (uvicorn would raise the signal
+    again once shut down, which killed the process before ``agentd start`` removed its pid
+    file and daemon.json.)"""
 
     def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None]) -> None:
         super().__init__(config)
@@ -122,6 +132,7 @@ class _Server(uvicorn.Server):
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         super().handle_exit(sig, frame)
+        getattr(self, "_captured_signals", []).clear()  # not raised again after the shutdown
         self._on_signal()
 
 
@@ -153,6 +164,22 @@ def serve(config: EngineConfig, settings: ServerSettings, sock: socket.socket, *
     if not server.started and exit_status.code == 0:
         return 1
     return exit_status.code
+
+
+def exit_process(status: int) -> NoReturn:
+    """End the daemon's process with ``status`` once :func:`serve` has returned.
+
+    A model load still running in its thread (the daemon was stopped while loading) is never
+    joined, and the interpreter must not be torn down under it (torch mid-load aborted the
+    process that way): the process then ends at once, logs flushed, and the load with it.
+    """
+    if any(t.name == LOADER_THREAD_NAME and t.is_alive() for t in threading.enumerate()):
+        logger.info("exiting during the model load (status %d)", status)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)
 
 
 def _no_health_polls_while_loading(record: logging.LogRecord) -> bool:

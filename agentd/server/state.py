@@ -38,7 +38,8 @@ if TYPE_CHECKING:
     from agentd.server.prompt_history import PromptHistory
 
 logger = logging.getLogger("agentd.server")
-_LOAD_JOIN_TIMEOUT_S = 300.0
+_ENGINE_STOP_TIMEOUT_S = 300.0
+LOADER_THREAD_NAME = "agentd-loader"
 
 
 def ready_summary(engine: AsyncEngine) -> str:
@@ -83,6 +84,7 @@ class ServerState:
                                        settings.response_store_ttl_s, self.release_tails)
         self.cli_token = new_token()  # lets `agentd stop` shut down a daemon without keys
         self._loader: threading.Thread | None = None
+        self._load_abandoned = False
         self._abort_timer: threading.Timer | None = None
         self._close_lock = threading.Lock()
 
@@ -95,7 +97,7 @@ class ServerState:
             self.engine.start()
             self.pins = self._pin_service(self.engine)
             return
-        self._loader = threading.Thread(target=self._load, name="agentd-loader", daemon=True)
+        self._loader = threading.Thread(target=self._load, name=LOADER_THREAD_NAME, daemon=True)
         self._loader.start()
 
     def _load(self) -> None:
@@ -109,13 +111,18 @@ class ServerState:
             logger.error("could not load the model: %s", self.load_error)
             self.request_exit(1)
             return
-        if self.closing:
+        if self.closing:  # stopped during the load: nothing will serve this engine
+            engine.shutdown()
             return
         engine.start()
         pins = self._pin_service(engine)
         asyncio.run(self.restore_pins(pins))  # a private loop: pins hit before we say ready
-        self.pins = pins
-        self.engine = engine
+        with self._close_lock:  # published under the lock: close() stops it, or this does
+            if self.closing:
+                engine.shutdown()
+                return
+            self.pins = pins
+            self.engine = engine
         logger.info("ready: %s", ready_summary(engine))
 
     def _pin_service(self, engine: AsyncEngine) -> PinService:
@@ -172,19 +179,24 @@ class ServerState:
             self._abort_timer.start()
 
     def close(self) -> None:
-        """Abort what is still running and stop the engine (idempotent, any thread)."""
+        """Abort what is still running and stop the engine (idempotent, any thread). A model
+        load still running is not waited for: it may never end (a file that blocks, a model
+        larger than the machine), and the process that stops while loading ends without it
+        (``agentd.server.serve.exit_process``); the loader drops what it built if it ends."""
         self.closing = True
         with self._close_lock:
-            if self._loader is not None and self._loader.is_alive():
-                # Exiting while torch is mid-load aborts the process; a load is bounded: wait.
-                logger.info("waiting for the model load to finish before exiting")
-                self._loader.join(_LOAD_JOIN_TIMEOUT_S)
+            if self.engine is None and self._loader is not None and self._loader.is_alive():
+                if not self._load_abandoned:
+                    logger.warning("stopping while the model is still loading: the load is "
+                                   "abandoned and the process exits without waiting for it")
+                self._load_abandoned = True
+                return
             if self.engine is not None and self.owns_engine:
                 grace_s = self.settings.shutdown_grace_s
                 self.engine.shutdown(grace_s, drain_s=_abort_margin_s(grace_s) / 2)
                 if not self.engine.wait_stopped(0.0):
                     logger.info("waiting for the engine's current step to end before exiting")
-                    self.engine.wait_stopped(_LOAD_JOIN_TIMEOUT_S)
+                    self.engine.wait_stopped(_ENGINE_STOP_TIMEOUT_S)
 
     def arrived(self, scope: Any) -> None:
         """The request of ``scope`` was submitted (or failed): it no longer counts as arriving

@@ -218,7 +218,9 @@ def test_a_pin_that_decays_leaves_pins_json_once_it_can_be_written(state_client,
     """A TTL that lapses while pins.json cannot be written is reported, and the registry
     catches up by itself once it can be: the decayed pin does not come back at a restart."""
     client, state_dir = state_client
-    created = client.post("/v1/pins", json={"name": "brief", "system": BASE, "ttl": 1})
+    # a TTL that cannot lapse before the registry is broken, however loaded the machine (a
+    # 1 s TTL once lapsed, and was written, first)
+    created = client.post("/v1/pins", json={"name": "brief", "system": BASE, "ttl": 5})
     assert created.status_code == 201, created.text
     break_registry(state_dir, "unwritable")
     try:

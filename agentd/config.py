@@ -109,7 +109,14 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # the pool's dtype; attention math stays fp32 (auto: kv_sizing)
     max_num_seqs: int = 32
     max_num_batched_tokens: int = 2048
+    # The most prompt tokens one request runs in a step: a long prefill leaves the rest of the
+    # budget to short requests that arrive meanwhile (see agentd.engine.scheduler)
+    long_prefill_chunk: int = 512
     max_model_len: int | None = None
+    # Without --max-model-len: stretch a model whose context is shorter to this many tokens
+    # (YaRN, agentd.model.context), as the memory allows. `agentd start` sets it for the default
+    # model, whose 8,192 tokens hold no coding agent's first prompt.
+    min_context: int | None = None
     enable_prefix_caching: bool = True
     max_pinned_fraction: float = 0.5
     attention_backend: str = "auto"
@@ -122,6 +129,11 @@ class EngineConfig:
     kv_events: KVEventsConfig | None = None  # publish the pool's KV events (kv_publisher)
     extra: dict[str, str] = field(default_factory=dict)
 
+    @property
+    def context_target(self) -> int | None:
+        """The context the model is stretched to when its own is shorter (None: its own)."""
+        return self.max_model_len or self.min_context
+
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda, not {self.device!r}")
@@ -133,6 +145,8 @@ class EngineConfig:
         self._check_kv_cache()
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, not {self.max_num_seqs}")
+        if self.long_prefill_chunk < 1:
+            raise ValueError(f"long_prefill_chunk must be >= 1, not {self.long_prefill_chunk}")
         if self.max_num_batched_tokens < self.block_size:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= block_size "
@@ -140,6 +154,8 @@ class EngineConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, not {self.max_model_len}")
+        if self.min_context is not None and self.min_context < 1:
+            raise ValueError(f"min_context must be >= 1, not {self.min_context}")
         if not 0.0 <= self.max_pinned_fraction <= 1.0:
             raise ValueError(
                 f"max_pinned_fraction must be within [0, 1], not {self.max_pinned_fraction}"

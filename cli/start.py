@@ -32,6 +32,9 @@ from agentd.config import (
 from agentd.model.default_model import DEFAULT_MODEL_NAME
 
 _DEFAULTS = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+# The default model's context when `agentd start` serves it: Claude Code's first prompt is ~23k
+# tokens, Codex's ~14k, opencode's ~8k (recorded, docs/agents.md); the model was trained on 8,192.
+DEFAULT_MODEL_CONTEXT = 32768
 _SPEC = SpeculativeConfig()
 # the names SpeculativeConfig's errors use, each the option of that name
 _SPEC_OPTION_NAMES = ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
@@ -70,10 +73,18 @@ def _option(name: str, **kwargs: Any) -> Any:
          help="Tokens per KV block (8, 16, 32, 64 or 128).")
 @_option("--max-num-seqs", default=_DEFAULTS["max_num_seqs"], type=int,
          help="Most requests in one running batch.")
+@_option("--long-prefill-chunk", default=_DEFAULTS["long_prefill_chunk"], type=int,
+         help="The most prompt tokens one request runs in a step: while a prompt of tens of "
+              "thousands of tokens prefills, the rest of each step's budget goes to requests "
+              "that arrive meanwhile (a title, a sub-agent's probe), which then wait one step, "
+              "not the whole prefill.")
 @_option("--max-num-batched-tokens", default=_DEFAULTS["max_num_batched_tokens"], type=int,
          help="Token budget of one engine step (prefill chunks + decodes).")
 @_option("--max-model-len", default=None, type=int,
-         help="Context length [default: the model's, unless the KV pool cannot hold it].")
+         help="Context length [default: the model's, unless the KV pool cannot hold it; for "
+              f"the default model {DEFAULT_MODEL_CONTEXT:,}, stretched from its 8,192 with YaRN "
+              "so that coding agents' prompts fit]. Past the model's own, its RoPE is stretched "
+              "with YaRN (one warning says what that costs).")
 @_option("--max-pinned-fraction", default=_DEFAULTS["max_pinned_fraction"], type=float,
          help="Most of the pool that pins and retained prefixes (cache control) may hold "
               "together; pins come first.")
@@ -172,6 +183,10 @@ def _option(name: str, **kwargs: Any) -> Any:
               "(the oldest go first; 0 keeps none).")
 @_option("--response-store-ttl", default="1h",
          help="How long a stored response is kept after its last use.")
+@_option("--max-output-tokens", default=4096, type=click.IntRange(min=1),
+         help="The output cap of a request that sets none (Codex sets none): a model that never "
+              "writes its end token stops here instead of filling the context. A cap a request "
+              "does set, and this one, are clamped to the room its prompt leaves.")
 @_option("--shutdown-grace", default="10s",
          help="How long in-flight requests may run on after a stop before they are aborted.")
 @click.option("--log-file", hidden=True, default=None,
@@ -244,7 +259,9 @@ def engine_config(params: dict[str, Any]) -> EngineConfig:
             kv_cache_dtype=params["kv_cache_dtype"],
             max_num_seqs=params["max_num_seqs"],
             max_num_batched_tokens=params["max_num_batched_tokens"],
+            long_prefill_chunk=params["long_prefill_chunk"],
             max_model_len=params["max_model_len"],
+            min_context=DEFAULT_MODEL_CONTEXT if params["model"] is None else None,
             enable_prefix_caching=not params["no_prefix_caching"],
             jump_forward=not params["no_jump_forward"],
             max_pinned_fraction=params["max_pinned_fraction"],
@@ -292,6 +309,7 @@ def server_settings(params: dict[str, Any], state_dir: Path | None = None) -> An
             read_timeout_s=parse_duration(params["read_timeout"]),
             response_store_size=params["response_store_size"],
             response_store_ttl_s=parse_duration(params["response_store_ttl"]),
+            max_output_tokens=params["max_output_tokens"],
         )
     except ValueError as exc:
         raise click.ClickException(f"{exc} (see `agentd start --help`)") from None

@@ -157,7 +157,8 @@ class LLMEngine:
         self.tails = TailKeeper(self.kv_cache, max(1, self.num_blocks // 8))
         self.retention = RetentionManager(self.kv_cache, self.pins.registry, self.tokenizer)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs,
-                                   config.max_num_batched_tokens, self.max_model_len)
+                                   config.max_num_batched_tokens, self.max_model_len,
+                                   config.long_prefill_chunk)
         self.runner = ModelRunner(loaded.model, self.num_blocks, config.block_size,
                                   loaded.device, kv_dtype, backend)
         self.sampler = Sampler(loaded.device)

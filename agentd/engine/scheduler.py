@@ -3,7 +3,11 @@
 Policy: first come, first served, running requests before waiting ones. Each step every running
 request gets its next tokens (one when decoding, the rest of its prompt up to the token budget
 when prefilling in chunks); then waiting requests are admitted in order while the token budget
-(``max_num_batched_tokens``), ``max_num_seqs`` and the block pool allow. Admission first asks the
+(``max_num_batched_tokens``), ``max_num_seqs`` and the block pool allow. No request runs more
+than ``long_prefill_chunk`` prompt tokens in a step (vLLM's ``long_prefill_token_threshold``):
+a prompt of tens of thousands of tokens runs in short steps, and a short request that arrives
+meanwhile (a title, a sub-agent's probe) waits for one of them, then runs beside the next one,
+not behind the whole prefill. Admission first asks the
 cache manager for the longest cached prefix, so only the uncached tail is prefilled; a kept
 partial last block (a pin's, a stored conversation's) extends that prefix: its slots are copied
 into the request's first new block before the step's forward (a ``SchedulerOutput.kv_copies``
@@ -81,12 +85,14 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, long_prefill_chunk: int | None = None) -> None:
         """``max_model_len``: the context every request fits in (its prompt is checked when it
         is added, and the output processor ends it there); no draft runs past it."""
         self.kv_cache = kv_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # the most prompt tokens one request runs in a step (None: the whole budget)
+        self.long_prefill_chunk = long_prefill_chunk or max_num_batched_tokens
         self.max_model_len = max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -117,7 +123,8 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget,
+                          self.long_prefill_chunk)
             # the requests after this one get their next token before its drafts
             drafts = self._fit_drafts(request, num_new,
                                       budget - num_new - (len(self.running) - index - 1))
@@ -203,7 +210,7 @@ class Scheduler:
                 cached.block_hashes[:len(cached.block_ids)],
                 request.all_token_ids[cached.num_tokens:request.num_tokens - 1])
         num_cached = cached.num_tokens + (extension.num_tokens if extension else 0)
-        num_new = min(request.num_tokens - num_cached, budget)
+        num_new = min(request.num_tokens - num_cached, budget, self.long_prefill_chunk)
         if self.kv_cache.allocate(request.request_id, num_cached + num_new, cached) is None:
             if not self.running:  # an empty engine cannot hold it: it never will
                 self._finish(request, RequestStatus.FINISHED_LENGTH)

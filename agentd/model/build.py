@@ -8,6 +8,7 @@ default for a .gguf on the CPU) and ``weights`` says so.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -17,9 +18,10 @@ import torch
 
 from agentd.config import EngineConfig
 from agentd.kernels import matmul_dtype
+from agentd.model.context import extend_context
 from agentd.model.dispatch import KernelChoice, calibrate, install, pick_auto
 from agentd.model.isa import CpuIsa, detect_isa
-from agentd.model.llama import LlamaModel, ModelDims
+from agentd.model.llama import LlamaModel, ModelDims, RotaryEmbedding
 from agentd.model.loader import (
     ModelFiles,
     iter_state_dict,
@@ -184,6 +186,12 @@ def load_gguf(config: EngineConfig) -> LoadedModel:
     # metadata: a damaged file is one line about the file, not a tokenizer error seconds later.
     gguf = load_gguf_model(served_gguf(config.model))
     files = resolve_model(config.model, serve_gguf=True)
+    if extend_context(gguf.config, config.context_target) is not None:
+        model = gguf.model  # its frequencies stretched; the engine sizes its table
+        model.dims = dataclasses.replace(model.dims,
+                                         max_position_embeddings=config.context_target)
+        model.rotary = RotaryEmbedding(gguf.config, model.dims.head_dim,
+                                       model.rotary.num_positions)
     if config.mlock:
         locking = time.perf_counter()
         problem = gguf.file.lock()
@@ -220,6 +228,7 @@ def load_model(config: EngineConfig) -> LoadedModel:
                     "process's own memory, which --mlock leaves as it is")
     files = resolve_model(config.model)
     hf_config = load_config(files)
+    extend_context(hf_config, config.context_target)
     tokenizer = load_tokenizer(files)
     dtype = pick_dtype(config.dtype, device)
     weights = pick_weights(config, device, dtype, hf_config)

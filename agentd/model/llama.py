@@ -17,6 +17,7 @@ from torch import nn
 
 from agentd.kernels import AttentionBackend
 from agentd.kernels.cpu import fused
+from agentd.model.context import extension_of, yarn_inv_freq
 
 # CPU linear packing and heap trimming live in agentd.model.onednn; importable from here too.
 from agentd.model.onednn import (  # noqa: F401
@@ -112,8 +113,13 @@ class ModelDims:
 
 
 def rope_inv_freq(config, head_dim: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and attention scaling for the config's RoPE type (transformers' math)."""
+    """Inverse frequencies and attention scaling for the config's RoPE type (transformers' math),
+    or YaRN's for a context stretched past the model's own (agentd.model.context)."""
     params = getattr(config, "rope_parameters", None) or {}
+    extension = extension_of(config)
+    if extension is not None:
+        theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        return yarn_inv_freq(theta, head_dim, extension.factor, extension.trained_len)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type != "default":
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS

@@ -33,6 +33,12 @@ class ServerSettings:
     # Responses API: stored responses (per API key) and how long one lives after its last use
     response_store_size: int = 1024
     response_store_ttl_s: float = 3600.0
+    # The output cap of a request that sends none (Codex sends none): a model that never emits
+    # an end token cannot hold a sequence until its context is full. See the options table.
+    max_output_tokens: int = 4096
+    # A stream that sends nothing this long sends its wire's keep-alive (a prefill of tens of
+    # thousands of tokens takes minutes on a CPU; clients' idle timeouts are shorter)
+    keepalive_s: float = 5.0
 
     def __post_init__(self) -> None:
         if self.max_request_body_bytes < 1024:
@@ -45,6 +51,10 @@ class ServerSettings:
             raise ValueError(f"max_queue must be >= 0, not {self.max_queue}")
         if self.read_timeout_s <= 0:
             raise ValueError(f"read_timeout_s must be > 0, not {self.read_timeout_s}")
+        if self.keepalive_s <= 0:
+            raise ValueError(f"keepalive_s must be > 0, not {self.keepalive_s}")
+        if self.max_output_tokens < 1:
+            raise ValueError(f"max_output_tokens must be >= 1, not {self.max_output_tokens}")
         if self.response_store_size < 0 or self.response_store_ttl_s <= 0:
             raise ValueError("response_store_size must be >= 0 and response_store_ttl_s > 0")
 

@@ -96,10 +96,10 @@ class Harness:
 
 
 def make(num_blocks: int = 64, max_num_seqs: int = 8, budget: int = 64,
-         max_model_len: int = 256) -> Harness:
+         max_model_len: int = 256, long_prefill_chunk: int | None = None) -> Harness:
     kv_cache = KVCacheManager(num_blocks, BLOCK_SIZE)
     scheduler = ProcessingScheduler(kv_cache, max_num_seqs, budget, max_model_len,
-                                    eos_token_ids=[EOS])
+                                    long_prefill_chunk, eos_token_ids=[EOS])
     return Harness(scheduler, FakeRunner(), budget, max_num_seqs)
 
 
@@ -422,3 +422,23 @@ def test_a_waiting_request_is_hashed_once_not_every_step_it_waits(monkeypatch) -
     assert hashed[0, 500] == 1 and max(hashed.values()) == 1, hashed
     assert set(hashed) >= {(i, 500 + 4 * i) for i in range(4)}
     h.assert_pool_empty()
+
+
+def test_a_short_request_is_not_held_behind_a_long_prefill() -> None:
+    """A long prompt runs in chunks of at most ``long_prefill_chunk``, so a short one that
+    arrives meanwhile runs whole in the next step, beside the long one's next chunk (a title
+    request behind a coding agent's first prompt); without the cap the long one took every
+    step's budget and the short one waited for all of it."""
+    for chunk, short_first_step in ((16, 1), (None, 5)):
+        h = make(num_blocks=128, budget=64, max_model_len=512, long_prefill_chunk=chunk)
+        h.add("long", list(range(10, 330)), max_tokens=2)  # 320 prompt tokens
+        first = h.step()
+        assert rows(first) == [("long", 0, chunk or 64, False)]
+        h.add("short", list(range(400, 412)), max_tokens=2)  # 12 tokens
+        outs = [h.step() for _ in range(short_first_step)]
+        assert ("short", 0, 12, True) in rows(outs[-1])
+        assert all(r[0] != "short" for out in outs[:-1] for r in rows(out))
+        if chunk:
+            assert rows(outs[-1])[0] == ("long", 16, 16, False)
+        h.run_to_end()
+        h.assert_pool_empty()

@@ -444,7 +444,8 @@ def test_a_pins_tail_survives_a_restart(tiny_llama, research, tmp_path):
 
 
 def first_step_logits(llm: LLM, prompt: list[int]) -> tuple[torch.Tensor, int]:
-    """The logits of a prompt's first sampled token, and how many of its tokens were cached."""
+    """The logits of a prompt's first sampled token, and how many of its tokens were cached (a
+    long prompt runs in chunks: the steps before its last sample nothing)."""
     captured = []
     execute = llm.engine.runner.execute
 
@@ -458,7 +459,7 @@ def first_step_logits(llm: LLM, prompt: list[int]) -> tuple[torch.Tensor, int]:
         out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1))[0]
     finally:
         del llm.engine.runner.execute
-    return captured[0][0], out.num_cached_tokens
+    return next(logits for logits in captured if len(logits))[0], out.num_cached_tokens
 
 
 class TailPin(NamedTuple):

@@ -27,7 +27,7 @@ from agentd import __version__
 from agentd.config import EngineConfig
 from agentd.server.errors import anthropic_error_body, exception_handlers
 from agentd.server.local_token import TOKEN_HEADER
-from agentd.server.routes_admin import AdminController, health, metrics, version
+from agentd.server.routes_admin import AdminController, health, metrics, root, version
 from agentd.server.routes_anthropic import MessagesController
 from agentd.server.routes_openai import OpenAIController
 from agentd.server.routes_pins import PinsController
@@ -78,7 +78,7 @@ def create_app(config: EngineConfig, *, engine: AsyncEngine | None = None,
 
     return Litestar(
         route_handlers=[OpenAIController, ResponsesController, MessagesController,
-                        PinsController, AdminController, health, metrics, version],
+                        PinsController, AdminController, health, metrics, root, version],
         # web_guard first: a request arrives (count_arrivals) once its body is whole
         middleware=[partial(web_guard, server=server), partial(count_arrivals, server=server)],
         cors_config=_cors(settings.cors_origins),

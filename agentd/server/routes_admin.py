@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from litestar import Controller, Response, get, post
+from litestar import Controller, HttpMethod, Response, get, post, route
 from litestar.datastructures import State
 
 from agentd import __version__
@@ -34,6 +34,17 @@ def health(state: State) -> Response[dict[str, Any]]:
     if server.load_error is not None:
         body["error"] = server.load_error
     return Response(body, status_code=200 if server.status == "ready" else 503)
+
+
+@route("/", http_method=[HttpMethod.GET, HttpMethod.HEAD], tags=["Admin"],
+       summary="The base URL: 200, so clients that probe it (Claude Code sends HEAD) go on",
+       sync_to_thread=False)
+def root(state: State) -> dict[str, Any]:
+    """Open like ``/health``, and 200 whatever the status: the probe asks whether a server
+    answers here, not whether its model is ready (a request before that is a 503)."""
+    server = server_of(state)
+    return {"server": "agentd", "version": __version__, "status": server.status,
+            "api": "/v1 (OpenAI), /v1/messages (Anthropic); docs at /docs"}
 
 
 @get("/version", summary="The server's version (vLLM's route, which routers probe)",

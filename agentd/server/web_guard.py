@@ -15,7 +15,10 @@ raised, so each answers in its route's wire shape, and close the connection):
   which only ``--cors-origin`` origins pass.
 - Body: read whole before the handler starts, within ``read_timeout_s``; a client that trickles
   it is answered 408 and disconnected. So a request counts as arriving (the engine's gather wait,
-  ``count_arrivals``) only once its body is complete.
+  ``count_arrivals``) only once its body is complete. A body sent with ``Content-Encoding: gzip``
+  or ``zstd`` (Codex can compress its requests) reaches the handler decompressed, and the size
+  limit holds for what it decompresses to: decompression stops one byte past it, so a
+  compression bomb is a 413 after reading the limit, never a hang; another encoding is a 415.
 
 ``POST /admin/shutdown`` takes no body, so it needs a key or the token ``agentd start`` writes
 to the state dir (``require_local_token``). Header read timeouts live in the HTTP protocol
@@ -26,9 +29,11 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import io
 import ipaddress
 import socket
 import time
+import zlib
 from typing import Any
 
 from agentd.server.errors import APIError
@@ -110,9 +115,46 @@ def web_guard(app: Any, *, server: Any) -> Any:
             return  # the client went away
         if isinstance(body, APIError):
             raise body
+        encoding = headers.get("content-encoding", "identity").strip().lower()
+        data = b"".join(m.get("body", b"") for m in body)
+        if encoding not in ("", "identity") and len(data) <= settings.max_request_body_bytes:
+            plain = _decompressed(data, encoding, settings.max_request_body_bytes)
+            body = [{"type": "http.request", "more_body": False, "body": plain}]
+            scope = {**scope, "headers": _plain_headers(scope["headers"], plain)}
         await app(scope, _replay(body, receive), send)
 
     return middleware
+
+
+def _decompressed(data: bytes, encoding: str, max_bytes: int) -> bytes:
+    """``data`` decoded, at most ``max_bytes`` of it (a 413 past them, a 400 if corrupt)."""
+    if encoding not in ("gzip", "zstd"):
+        raise APIError(415, f"Content-Encoding {encoding!r} is not supported: send the body "
+                       "plain, or compressed with gzip or zstd", code="unsupported_media_type",
+                       headers=_CLOSE)
+    import zstandard  # one import, once a compressed body comes
+
+    try:
+        if encoding == "gzip":
+            inflater = zlib.decompressobj(16 + zlib.MAX_WBITS)
+            out = inflater.decompress(data, max_bytes + 1)
+        else:
+            with zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data)) as reader:
+                out = reader.read(max_bytes + 1)
+    except (zlib.error, zstandard.ZstdError, ValueError, OSError) as exc:
+        raise APIError(400, f"the request body is not valid {encoding}: {exc}",
+                       code="invalid_body") from exc
+    if len(out) > max_bytes:
+        raise APIError(413, f"the request body decompresses to more than the {max_bytes}-byte "
+                       "limit (--max-request-body)", code="request_too_large", headers=_CLOSE)
+    return out
+
+
+def _plain_headers(headers: list[tuple[bytes, bytes]], body: bytes) -> list[tuple[bytes, bytes]]:
+    """The request's headers for its decompressed body."""
+    kept = [(k, v) for k, v in headers if k.lower() not in (b"content-encoding",
+                                                             b"content-length")]
+    return [*kept, (b"content-length", str(len(body)).encode())]
 
 
 def _has_body(headers: dict[str, str]) -> bool:

@@ -11,6 +11,7 @@ inside a 200 stream.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
@@ -147,5 +148,36 @@ class EventStream(Stream):
         return super().to_asgi_response(*args, **kwargs)
 
 
-def event_stream(events: AsyncIterator[bytes]) -> EventStream:
-    return EventStream(events, headers=_SSE_HEADERS)
+SSE_COMMENT = b": keep-alive\n\n"  # OpenAI's wires: an SSE comment, which clients skip
+
+
+async def with_keepalive(chunks: AsyncIterator[bytes], ping: bytes,
+                         interval_s: float) -> AsyncIterator[bytes]:
+    """``chunks``, with ``ping`` sent whenever none came for ``interval_s``: a long CPU prefill
+    sends nothing for minutes, and clients give up on an idle stream. Closing this closes
+    ``chunks`` (which aborts the request)."""
+    source = aiter(chunks)
+    pending = asyncio.ensure_future(anext(source))
+    try:
+        while True:
+            done, _ = await asyncio.wait({pending}, timeout=interval_s)
+            if not done:
+                yield ping
+                continue
+            try:
+                chunk = pending.result()
+            except StopAsyncIteration:
+                return
+            yield chunk
+            pending = asyncio.ensure_future(anext(source))
+    finally:
+        if not pending.done():
+            pending.cancel()
+            with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                await pending
+        await source.aclose()  # type: ignore[attr-defined]
+
+
+def event_stream(events: AsyncIterator[bytes],
+                 headers: dict[str, str] | None = None) -> EventStream:
+    return EventStream(events, headers={**_SSE_HEADERS, **(headers or {})})

@@ -77,14 +77,17 @@ def render(s: dict[str, Any]) -> Any:
 
 
 def render_by_key(s: dict[str, Any]) -> Any:
-    """One row per ``prompt_cache_key``: requests, hits and the share of prompt tokens cached."""
+    """One row per session (its ``prompt_cache_key``, or the session a coding agent names in
+    its headers, as ``client:id``): requests, hits and the share of prompt tokens cached."""
     rows = s.get("by_key", [])
     tenants = any(row["tenant"] for row in rows)
-    table = compact_table("cache by prompt_cache_key", "key", [
+    table = compact_table("cache by session", "session", [
         *(["tenant"] if tenants else []), "requests", "hits", "prompt\ntokens",
         "cached\ntokens", "hit rate"], caption_justify="left",
-        caption="hits: requests with any cached prompt token; send prompt_cache_key (OpenAI) or "
-                "metadata.user_id (Anthropic) to be counted here" if not rows else None)
+        caption="hits: requests with any cached prompt token; a request is counted here when it "
+                "names its session: prompt_cache_key (OpenAI), a coding agent's session header "
+                "(Claude Code, Codex and opencode send theirs) or metadata.user_id (Anthropic)"
+                if not rows else None)
     for row in rows:
         table.add_row(row["key"], *([(row["tenant"] or "-")[:8]] if tenants else []),
                       str(row["requests"]), str(row["hits"]), str(row["prompt_tokens"]),

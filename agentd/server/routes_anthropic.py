@@ -22,6 +22,7 @@ from litestar.response import Stream
 from agentd.server.auth import require_api_key
 from agentd.server.errors import anthropic_error_body, exception_handlers
 from agentd.server.state import server_of
+from agentd.server.wires.checks import ANTHROPIC_TOO_LONG
 from agentd.server.wires.intake import check_chars, text_chars
 from agentd.server.wires.messages_plan import plan_messages, prompt_ids
 from agentd.server.wires.messages_reply import complete_message, prewarmed, stream_message
@@ -45,7 +46,7 @@ class MessagesController(Controller):
         server = server_of(state)
         engine, model = await server.accept(request, data)
         check_chars(text_chars([data.system, data.messages], _TEXT_KEYS), engine.tokenizer,
-                    engine.max_model_len, "messages")
+                    engine.max_model_len, "messages", ANTHROPIC_TOO_LONG)
         job = await asyncio.to_thread(plan_messages, data, engine, model, int(time.time()))
         if job.prewarm:
             running = await start(request, server, job.plan)
@@ -59,6 +60,6 @@ class MessagesController(Controller):
         server = server_of(state)
         engine, _ = await server.accept(request, data)
         check_chars(text_chars([data.system, data.messages], _TEXT_KEYS), engine.tokenizer,
-                    engine.max_model_len, "messages")
+                    engine.max_model_len, "messages", ANTHROPIC_TOO_LONG)
         _, ids = await asyncio.to_thread(prompt_ids, data, engine)
         return {"input_tokens": len(ids)}

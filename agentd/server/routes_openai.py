@@ -79,5 +79,6 @@ class OpenAIController(Controller):
         server = server_of(state)
         engine = server.require_engine()
         card = ModelCard(id=engine.model_name, created=server.created,
-                         max_model_len=engine.max_model_len)
+                         max_model_len=engine.max_model_len,
+                         max_output_tokens=server.settings.max_output_tokens)
         return ModelList(data=[card])

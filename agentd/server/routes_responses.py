@@ -1,5 +1,6 @@
 """The OpenAI Responses API routes: ``POST /v1/responses``, ``GET`` and ``DELETE
-/v1/responses/{id}``.
+/v1/responses/{id}``, ``POST /v1/responses/input_tokens`` (exact counts) and
+``POST /v1/responses/compact`` (the model's own summary, as a ``compaction`` item).
 
 Invariants: as on chat, handlers validate, plan in a worker thread, start the plan and shape the
 reply (``agentd.server.wires``); a response is stored (``store: true``, the default) with its
@@ -16,6 +17,7 @@ import time
 from functools import partial
 from typing import Annotated, Any
 
+import msgspec
 from litestar import Controller, Request, delete, get, post
 from litestar.datastructures import State
 from litestar.params import Body, FromPath
@@ -27,15 +29,17 @@ from agentd.server.response_store import StoredResponse
 from agentd.server.routes_openai import ERROR_RESPONSES
 from agentd.server.state import ServerState, server_of
 from agentd.server.wires.intake import check_chars, text_chars
-from agentd.server.wires.plan import answer
-from agentd.server.wires.responses_plan import ResponsesJob, plan_responses
+from agentd.server.wires.plan import answer, start
+from agentd.server.wires.responses_plan import ResponsesJob, plan_compaction, plan_responses
 from agentd.server.wires.responses_reply import complete_response, stream_response
+from agentd.server.wires.responses_tools import history_calls
 from agentd.server.wires.responses_types import (
     DeletedResponse,
-    FunctionCallItem,
+    OutputMessage,
     Response,
     ResponsesRequest,
 )
+from agentd.server.wires.serving import until_disconnect
 
 _TEXT_KEYS = ("text", "content", "output", "arguments")
 ResponsesBody = Annotated[ResponsesRequest, Body(description="An OpenAI Responses API request.")]
@@ -52,20 +56,46 @@ class ResponsesController(Controller):
     async def create(self, request: Request[Any, Any, Any], data: ResponsesBody,
                      state: State) -> Response | Stream:
         server = server_of(state)
-        engine, model = await server.accept(request, data)
-        check_chars(text_chars([data.input, data.instructions], _TEXT_KEYS), engine.tokenizer,
-                    engine.max_model_len, "input")
-        owner = key_owner(request)
-        previous = None
-        if data.previous_response_id is not None:
-            previous = _stored(server, owner, data.previous_response_id, "previous_response_id")
         keep = data.store and server.settings.response_store_size > 0
-        job = await asyncio.to_thread(plan_responses, data, engine, model, int(time.time()),
-                                      previous, keep)
-        on_stored = partial(_store, server, owner, job)
+        job = await _plan(request, server, data, plan_responses, keep=keep)
+        on_stored = partial(_store, server, key_owner(request), job)
         return await answer(request, server, job.plan, data.stream,
                             partial(stream_response, job, on_stored=on_stored),
                             partial(complete_response, job, on_stored=on_stored))
+
+    @post("/input_tokens", status_code=200, summary="Count a response's input tokens",
+          description="Exact: the prompt the same body would run, from the model's tokenizer.",
+          responses=ERROR_RESPONSES)
+    async def input_tokens(self, request: Request[Any, Any, Any], data: ResponsesBody,
+                           state: State) -> dict[str, Any]:
+        server = server_of(state)
+        job = await _plan(request, server, data, plan_responses, keep=False)
+        return {"object": "response.input_tokens",
+                "input_tokens": len(job.plan.prompt_token_ids)}
+
+    @post("/compact", status_code=200, summary="Compact a conversation",
+          description="The model sums up the conversation; the reply's output is the window "
+          "that replaces it: its user messages, then a `compaction` item carrying the summary "
+          "(agentd's is plain text, which the client sends back as it is).",
+          responses=ERROR_RESPONSES)
+    async def compact(self, request: Request[Any, Any, Any], data: ResponsesBody,
+                      state: State) -> dict[str, Any]:
+        server = server_of(state)
+        job = await _plan(request, server, data, plan_compaction)
+        running = await start(request, server, job.plan)
+        summary = await until_disconnect(
+            request, complete_response(job, running.events, on_stored=_no_store),
+            running.deltas)
+        text = "".join(part.text for item in summary.output if isinstance(item, OutputMessage)
+                       for part in item.content)
+        kept = [item for item in (data.input if isinstance(data.input, list) else [
+            {"role": "user", "content": data.input}]) if isinstance(item, dict)
+            and item.get("type", "message") == "message" and item.get("role") == "user"]
+        return {"id": summary.id.replace("resp_", "cmp_", 1), "object": "response.compaction",
+                "created_at": summary.created_at,
+                "output": [*kept, {"type": "compaction", "id": _item_id("cmp", summary.id),
+                                   "encrypted_content": text}],
+                "usage": msgspec.to_builtins(summary.usage)}
 
     @get("/{response_id:str}", summary="Get a stored response", sync_to_thread=False)
     def get_response(self, request: Request[Any, Any, Any], response_id: FromPath[str],
@@ -80,6 +110,28 @@ class ResponsesController(Controller):
         if not server_of(state).responses.delete(key_owner(request), response_id):
             raise _not_found(response_id, "response_id")
         return DeletedResponse(id=response_id)
+
+
+async def _plan(request: Request[Any, Any, Any], server: ServerState, data: ResponsesRequest,
+                planner: Any, **kwargs: Any) -> ResponsesJob:
+    """``planner``'s job for ``data`` (a worker thread), after the checks every route does."""
+    engine, model = await server.accept(request, data)
+    check_chars(text_chars([data.input, data.instructions], _TEXT_KEYS), engine.tokenizer,
+                engine.max_model_len, "input")
+    previous = None
+    if data.previous_response_id is not None:
+        previous = _stored(server, key_owner(request), data.previous_response_id,
+                           "previous_response_id")
+    return await asyncio.to_thread(planner, data, engine, model, int(time.time()), previous,
+                                   **kwargs)
+
+
+def _no_store(response: Response | None, output_ids: list[int]) -> None:
+    """A compaction's summary is not a response the client continues."""
+
+
+def _item_id(prefix: str, source_id: str) -> str:
+    return prefix + "_" + source_id.split("_", 1)[-1]
 
 
 def _stored(server: ServerState, owner: str | None, response_id: str,
@@ -106,9 +158,7 @@ def _store(server: ServerState, owner: str | None, job: ResponsesJob,
     if response is None:
         server.release_tails([plan.request_id])
         return
-    calls = [{"id": item.call_id, "type": "function",
-              "function": {"name": item.name, "arguments": item.arguments}}
-             for item in response.output if isinstance(item, FunctionCallItem)]
+    calls = history_calls(job.tools, response.output)
     server.responses.put(owner, response.id, StoredResponse(
         response, plan.prompt_token_ids + output_ids, plan.request_id, job.instructions, calls))
 

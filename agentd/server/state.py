@@ -24,8 +24,9 @@ from litestar import Request
 from litestar.datastructures import State
 
 from agentd.config import EngineConfig
+from agentd.server import ignored_fields
 from agentd.server.errors import APIError
-from agentd.server.ignored_fields import UnknownFields
+from agentd.server.ignored_fields import UNKNOWN, Ignored, IgnoredLog
 from agentd.server.key_stats import KeyStats
 from agentd.server.local_token import new_token, write_token
 from agentd.server.metrics import EngineSnapshot, ServerMetrics
@@ -78,7 +79,7 @@ class ServerState:
         self.pid = os.getpid()
         self.request_exit: Callable[[int], None] = request_exit or (lambda code: None)
         self.metrics = ServerMetrics(self._stats_snapshot)
-        self.unknown_fields = UnknownFields()  # logged once per name
+        self.ignored_log = IgnoredLog()  # fields accepted and not acted on: logged once
         self.key_stats = KeyStats()  # by prompt_cache_key
         self.responses = ResponseStore(settings.response_store_size,
                                        settings.response_store_ttl_s, self.release_tails)
@@ -238,20 +239,18 @@ class ServerState:
     async def accept(self, request: Request[Any, Any, Any],
                      data: msgspec.Struct) -> tuple[AsyncEngine, str]:
         """What a completion route does first: the engine (503 while there is none), the served
-        model's name (404 for another), and the body's unknown top-level fields noted."""
+        model's name, and what the body holds that nothing here acts on noted (its unknown
+        top-level fields; another model's name)."""
         engine = self.require_engine()
-        model = self.check_model(getattr(data, "model", None))
-        self.unknown_fields.note(await request.body(), type(data), request.url.path)
-        return engine, model
-
-    def check_model(self, model: str | None) -> str:
-        """The served model name; 404 if the request names another model."""
-        engine = self.require_engine()
+        unknown = ignored_fields.unknown_fields(await request.body(), type(data))
+        ignored_fields.note(request, [Ignored(name, UNKNOWN) for name in unknown])
+        model = getattr(data, "model", None)
         if model and model not in (engine.model_name, self.config.model):
-            raise APIError(404, f"the model {model!r} does not exist; this server serves "
-                           f"{engine.model_name!r} (see GET /v1/models)", param="model",
-                           code="model_not_found")
-        return engine.model_name
+            # Harnesses name their own vendors' models (claude-opus-..., gpt-...); one model is
+            # served here, whatever a request calls it, as llama-server does.
+            ignored_fields.note(request, [Ignored("model", f"{model!r} is served by "
+                                                  f"{engine.model_name!r}, the one model here")])
+        return engine, engine.model_name
 
     def observe_prompt(self, tenant: str | None, key: str | None,
                        token_ids: list[int]) -> None:

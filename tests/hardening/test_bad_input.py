@@ -127,17 +127,12 @@ CASES: dict[str, Case] = {
     # --- lengths
     "prompt over the context": Case(
         CHAT, chat(messages=[{"role": "user", "content": LONG_TEXT}], max_tokens=None),
-        param="messages", code="context_length_exceeded", says=("max_model_len", "4096")),
+        param="messages", code="context_length_exceeded",
+        says=("maximum context length is 4096 tokens",)),
     "max_tokens zero": Case(CHAT, chat(max_tokens=0), param="max_tokens"),
     "max_tokens negative": Case(CHAT, chat(max_tokens=-5), param="max_tokens"),
     "max_completion_tokens zero": Case(CHAT, chat(max_completion_tokens=0),
                                        param="max_completion_tokens"),
-    "max_tokens over the context": Case(CHAT, chat(max_tokens=MAX_MODEL_LEN + 1),
-                                        param="max_tokens", says=("4096",)),
-    "prompt plus max_tokens over the context": Case(
-        CHAT, chat(max_tokens=MAX_MODEL_LEN - 2), param="max_tokens",
-        code="context_length_exceeded", says=("4094", "4096")),
-    "huge max_tokens": Case(CHAT, chat(max_tokens=10**30), param="max_tokens"),
     # --- sampling
     "negative temperature": Case(CHAT, chat(temperature=-0.1), param="temperature"),
     "temperature too high": Case(CHAT, chat(temperature=2.5), param="temperature"),
@@ -171,9 +166,6 @@ CASES: dict[str, Case] = {
         "type": "function", "function": {"name": "f", "parameters": {
             "type": "object", "properties": {"a": {"type": "frob"}}}}}]),
         param="tools", says=("function 'f'", "frob")),
-    # --- model
-    "unknown model": Case(CHAT, chat(model="gpt-17"), status=404, param="model",
-                          code="model_not_found"),
     # --- tools
     "tools an object": Case(CHAT, chat(tools=TOOL), param="tools"),
     "tools a string": Case(CHAT, chat(tools="get_weather"), param="tools"),
@@ -224,8 +216,6 @@ CASES: dict[str, Case] = {
                                                      param="temperature"),
     "completion: stream the string false": Case(COMPLETIONS, {"prompt": "x", "stream": "false"},
                                                 param="stream"),
-    "completion: unknown model": Case(COMPLETIONS, {"prompt": "x", "model": "gpt-17"},
-                                      status=404),
     "completion: invalid utf-8": Case(COMPLETIONS, b'{"prompt": "\xff"}', headers=JSON),
     # --- routes and methods
     "unknown route": Case("/v1/nothing-here", {}, status=404),
@@ -269,7 +259,7 @@ def test_bad_request_is_answered_and_leaves_the_pool_idle(client: TestClient, na
 def test_bad_requests_are_rejected_before_a_stream_starts(client: TestClient, stream: bool,
                                                           openai_error, idle) -> None:
     """``stream: true`` does not turn a 400 into a 200 with an error event."""
-    for name in ("prompt over the context", "seed above 64 bits", "top_p zero", "unknown model"):
+    for name in ("prompt over the context", "seed above 64 bits", "top_p zero"):
         case = CASES[name]
         check(client, Case(case.path, {**case.body, "stream": stream}, case.status, case.param),
               openai_error, idle)
@@ -284,9 +274,16 @@ EDGE_BODIES = {
     "top_p tiny": chat(temperature=1.0, top_p=1e-300, max_tokens=3),
     "max_tokens filling the context exactly": chat(max_tokens=MAX_MODEL_LEN - 100,
                                                    stop=["\n", ".", " ", "a"]),
+    # a cap past the room left is clamped to it, as llama-server and Ollama do (the stop
+    # strings end the tiny model's noise early)
+    "max_tokens over the context": chat(max_tokens=MAX_MODEL_LEN + 1, stop=["\n", ".", " "]),
+    "prompt plus max_tokens over the context": chat(max_tokens=MAX_MODEL_LEN - 2,
+                                                    stop=["\n", ".", " "]),
+    "huge max_tokens": chat(max_tokens=10**30, stop=["\n", ".", " "]),
     "unicode and control characters": chat(messages=[{
         "role": "user", "content": "żółw \u0000 \U0001f600 \u202e تست"}]),
     "unknown extra fields are ignored": chat(frobnicate={"deep": [1, 2]}),
+    "another model's name is served by the one model": chat(model="gpt-17", max_tokens=3),
 }
 
 
@@ -484,8 +481,8 @@ def test_special_tokens_in_a_user_message_are_text_and_a_pin_still_hits(client: 
 def test_unknown_fields_are_served_and_logged_once_per_name(client: TestClient, caplog,
                                                             idle) -> None:
     """As vLLM does: agent frameworks send extras, so they are served, and each unknown name
-    is logged once per route, however often it comes."""
-    caplog.set_level(logging.WARNING, logger="agentd.server")
+    is logged once per route and client, however often it comes (at info: it is no fault)."""
+    caplog.set_level(logging.INFO, logger="agentd.server")
     for _ in range(3):
         for path, body in ((CHAT, chat(max_tokens=1)), (COMPLETIONS, {"prompt": "x",
                                                                       "max_tokens": 1})):
@@ -493,7 +490,7 @@ def test_unknown_fields_are_served_and_logged_once_per_name(client: TestClient, 
                                                "parallel_hint": {"x": [1]}})
             assert response.status_code == 200, response.text
     logged = sorted(r.getMessage().split(":")[0] + " " + r.getMessage().split("'")[1]
-                    for r in caplog.records if "unknown field" in r.getMessage())
+                    for r in caplog.records if "ignoring the field" in r.getMessage())
     assert logged == [f"{path} {name}" for path in (CHAT, COMPLETIONS)
                       for name in ("framework_trace_id", "parallel_hint")]
     idle(client.get, num_pinned_ok=False)

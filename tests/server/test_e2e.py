@@ -152,8 +152,11 @@ def test_completions_and_errors_through_the_sdk(client: openai.OpenAI) -> None:
     assert text.choices[0].text and text.usage.completion_tokens <= 4
     with pytest.raises(openai.BadRequestError, match="n must be 1"):
         client.chat.completions.create(model=MODEL, messages=ask("hi"), n=2)
-    with pytest.raises(openai.NotFoundError):
-        client.chat.completions.create(model="gpt-17", messages=ask("hi"))
+    with pytest.raises(openai.NotFoundError):  # an unknown route
+        client.get("/nothing-here", cast_to=object)
+    other = client.chat.completions.with_raw_response.create(  # the one model serves any name
+        model="gpt-17", messages=ask("hi"), max_tokens=2)
+    assert other.headers["x-agentd-ignored"] == "model" and other.parse().choices
 
 
 def test_prompt_lookup_streams_what_it_returns_whole(client: openai.OpenAI, daemon: str) -> None:

@@ -118,9 +118,12 @@ def test_errors_are_anthropic_exceptions(client: anthropic.Anthropic, tiny, serv
             {"type": "tool_result", "tool_use_id": "toolu_x", "content": "1"}]}])
     assert caught.value.body["type"] == "error"
     assert caught.value.body["error"]["type"] == "invalid_request_error"
-    with pytest.raises(anthropic.NotFoundError):
-        client.messages.create(model="claude-opus", max_tokens=2,
-                               messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(anthropic.NotFoundError):  # an unknown route, in Anthropic's shape
+        client.get("/v1/messages/nothing-here", cast_to=object)
+    # Claude Code's default model name is served by the one model here, and said
+    other = client.messages.with_raw_response.create(
+        model="claude-opus", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+    assert other.headers["x-agentd-ignored"] == "model"
     config, engine = tiny
     with serve(create_app(config, engine=engine, settings=ServerSettings(api_keys=("k1",)))) \
             as keyed:

@@ -28,7 +28,12 @@ from agentd.server.wires.chat_types import (
     ToolCall,
     ToolChoiceNamed,
 )
-from agentd.server.wires.checks import decode_request, validate_prompt_len
+from agentd.server.wires.checks import (
+    ANTHROPIC_TOO_LONG,
+    OutputRoom,
+    decode_request,
+    fit_output,
+)
 from agentd.server.wires.completions_plan import validate_completion_request
 from agentd.server.wires.completions_types import (
     Completion,
@@ -37,8 +42,6 @@ from agentd.server.wires.completions_types import (
     CompletionRequest,
 )
 from agentd.server.wires.openai_types import ModelCard, ModelList, Usage
-
-MAX_MODEL_LEN = 2048
 
 WEATHER_TOOL = {
     "type": "function",
@@ -97,7 +100,7 @@ def encode(obj: msgspec.Struct) -> Any:
 
 def test_decode_sdk_body_with_tools_and_stream_options() -> None:
     req = decode_chat(SDK_BODY)
-    validate_chat_request(req, MAX_MODEL_LEN)
+    validate_chat_request(req)
     assert req.messages[1].content[0].text == "Weather in Paris?"
     assert req.messages[2].tool_calls[0].function.arguments == '{"city": "Paris"}'
     assert isinstance(req.tool_choice, ToolChoiceNamed)
@@ -109,7 +112,7 @@ def test_decode_sdk_body_with_tools_and_stream_options() -> None:
 
 def test_decode_minimal_body_defaults() -> None:
     req = decode_chat({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
-    validate_chat_request(req, MAX_MODEL_LEN)
+    validate_chat_request(req)
     assert req.stream is False and req.tools is None and req.tool_choice is None
     assert req.stream_options is None and req.stop is None
 
@@ -117,7 +120,7 @@ def test_decode_minimal_body_defaults() -> None:
 def test_decode_string_tool_choice_and_stop() -> None:
     body = {**SDK_BODY, "tool_choice": "required", "stop": "END"}
     req = decode_chat(body)
-    validate_chat_request(req, MAX_MODEL_LEN)
+    validate_chat_request(req)
     assert req.tool_choice == "required" and req.stop == "END"
 
 
@@ -137,7 +140,7 @@ def test_decode_invalid_json() -> None:
 def test_decode_completion_prompt_forms() -> None:
     for prompt in ["hi", ["hi"], [1, 2, 3], [[1, 2, 3]]]:
         req = decode_request(msgspec.json.encode({"prompt": prompt}), CompletionRequest)
-        validate_completion_request(req, MAX_MODEL_LEN)
+        validate_completion_request(req)
         assert req.prompt == prompt
 
 
@@ -185,7 +188,6 @@ BAD_BODIES = [
     (_with(["top_logprobs"], 3), "top_logprobs", "not supported"),
     (_with(["max_tokens"], 0), "max_tokens", "at least 1"),
     (_with(["max_completion_tokens"], -1), "max_completion_tokens", "at least 1"),
-    (_with(["max_tokens"], MAX_MODEL_LEN + 1), "max_tokens", "max_model_len"),
     (_with(["temperature"], -0.1), "temperature", "[0, 2]"),
     (_with(["temperature"], 2.5), "temperature", "[0, 2]"),
     (_with(["top_p"], 0.0), "top_p", "(0, 1]"),
@@ -217,7 +219,7 @@ BAD_BODIES = [
 def test_validation_errors_name_the_field(body: dict[str, Any], param: str, needle: str) -> None:
     req = decode_chat(body)
     with pytest.raises(RequestValidationError) as info:
-        validate_chat_request(req, MAX_MODEL_LEN)
+        validate_chat_request(req)
     assert info.value.param == param
     assert param in info.value.message
     assert needle in info.value.message
@@ -229,12 +231,12 @@ def test_tool_calls_on_user_message_rejected() -> None:
     call = SDK_BODY["messages"][2]["tool_calls"]
     req = decode_chat(_with(["messages", 1], {"role": "user", "content": "x", "tool_calls": call}))
     with pytest.raises(RequestValidationError, match=r"messages\[1\].tool_calls"):
-        validate_chat_request(req, MAX_MODEL_LEN)
+        validate_chat_request(req)
 
 
 def test_tool_choice_none_and_auto_without_tools_are_fine() -> None:
     for choice in ("none", "auto"):
-        validate_chat_request(decode_chat(_with(["tools"], None) | {"tool_choice": choice}), 64)
+        validate_chat_request(decode_chat(_with(["tools"], None) | {"tool_choice": choice}))
 
 
 @pytest.mark.parametrize(
@@ -253,19 +255,27 @@ def test_tool_choice_none_and_auto_without_tools_are_fine() -> None:
 def test_completion_validation(body: dict[str, Any], param: str) -> None:
     req = decode_request(msgspec.json.encode(body), CompletionRequest)
     with pytest.raises(RequestValidationError) as info:
-        validate_completion_request(req, MAX_MODEL_LEN)
+        validate_completion_request(req)
     assert info.value.param == param
 
 
-def test_prompt_len_checks() -> None:
-    validate_prompt_len(100, 28, 128)
+def test_an_output_cap_is_clamped_to_the_room_the_prompt_leaves() -> None:
+    """As llama-server and Ollama do: a cap above the room left is the room left (and says
+    so); no cap is the server's; only a prompt that leaves no room is an error, in the wire's
+    own words."""
+    assert fit_output(100, 28, 128, 4096) == OutputRoom(28, 28, clamped=False)
+    assert fit_output(100, 32000, 128, 4096) == OutputRoom(28, 32000, clamped=True)
+    assert fit_output(100, None, 128, 16) == OutputRoom(16, None, clamped=False)
+    assert fit_output(100, None, 128, 4096) == OutputRoom(28, None, clamped=True)
     with pytest.raises(RequestValidationError) as too_long:
-        validate_prompt_len(128, None, 128)
+        fit_output(128, None, 128, 4096)
     assert too_long.value.status == 400 and too_long.value.code == "context_length_exceeded"
-    assert "128 tokens" in too_long.value.message and "max_model_len" in too_long.value.message
-    with pytest.raises(RequestValidationError) as no_room:
-        validate_prompt_len(100, 29, 128)
-    assert no_room.value.status == 400 and no_room.value.param == "max_tokens"
+    assert too_long.value.message == (
+        "This model's maximum context length is 128 tokens. However, your messages resulted in "
+        "128 tokens. Please reduce the length of the messages.")
+    with pytest.raises(RequestValidationError) as anthropic:
+        fit_output(9145, 32000, 8192, 4096, too_long=ANTHROPIC_TOO_LONG)
+    assert anthropic.value.message == "prompt is too long: 9145 tokens > 8192 maximum"
 
 
 # ---- sampling params -----------------------------------------------------------------------

@@ -46,7 +46,7 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 
 def plan_chat(req: ChatCompletionRequest, engine: Any, model: str, created: int) -> Plan:
     """Validate ``req`` and render it to token ids; raises OpenAI-shaped 400 errors."""
-    validate_chat_request(req, engine.max_model_len)
+    validate_chat_request(req)
     inputs = to_template_inputs(req)
     try:
         rendered = render_chat(engine.tokenizer, inputs.messages, inputs.tools,
@@ -78,21 +78,21 @@ def plan_chat(req: ChatCompletionRequest, engine: Any, model: str, created: int)
     )
 
 
-def validate_chat_request(req: ChatCompletionRequest, max_model_len: int) -> None:
+def validate_chat_request(req: ChatCompletionRequest) -> None:
     """Raise ``RequestValidationError`` for the first thing wrong with ``req``."""
     if not req.messages:
         raise RequestValidationError("messages must contain at least one message", "messages")
     for i, message in enumerate(req.messages):
         _check_message(message, f"messages[{i}]")
     if req.max_completion_tokens is not None:
-        check_max_tokens(req.max_completion_tokens, "max_completion_tokens", max_model_len)
+        check_max_tokens(req.max_completion_tokens, "max_completion_tokens")
     if req.logprobs:
         raise RequestValidationError(
             "logprobs is not supported; omit it or set it to false", "logprobs"
         )
     if req.top_logprobs:
         raise RequestValidationError("top_logprobs is not supported; omit it", "top_logprobs")
-    check_sampling(req, max_model_len)
+    check_sampling(req)
     tool_names = check_tools(req.tools or [])
     _check_tool_choice(req.tool_choice, tool_names)
 

@@ -1,5 +1,7 @@
 """The checks every wire shares, below the wires' own types: a request error that names its field,
-the ranges of the sampling fields, tool schemas, and the prompt's length against the context.
+the ranges of the sampling fields, tool schemas, and the prompt's length against the context
+(``fit_output``: an output cap is clamped to the room left, a prompt that leaves none is a 400 in
+the wire's words).
 
 Invariant: a check raises ``RequestValidationError`` naming the ``param`` the client must fix
 (the path its wire spells, handed in by the caller) and changes nothing; every wire renders that
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
@@ -55,34 +58,44 @@ def _field_error(exc: msgspec.ValidationError) -> RequestValidationError:
     return RequestValidationError(f"invalid value for {param}: {reason}", param=param)
 
 
-def validate_prompt_len(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
-                        param: str = "messages", max_tokens_param: str = "max_tokens") -> None:
-    """Reject a rendered prompt that leaves no room, or too little room, to generate: a 400 with
-    OpenAI's code ``context_length_exceeded`` that names both numbers (what SDKs and agent
-    frameworks look for to trim a conversation)."""
+# A prompt that leaves no room in the context, in each wire's own words: clients parse them to
+# trim or compact (Claude Code matches Anthropic's ``prompt is too long: N tokens > M``; OpenAI
+# clients read the code ``context_length_exceeded``).
+OPENAI_TOO_LONG = ("This model's maximum context length is {max_model_len} tokens. However, "
+                   "your {param} resulted in {num_tokens} tokens. Please reduce the length of "
+                   "the {param}.")
+ANTHROPIC_TOO_LONG = "prompt is too long: {num_tokens} tokens > {max_model_len} maximum"
+
+
+@dataclass(frozen=True)
+class OutputRoom:
+    """What a request may generate: its cap (asked, or the server's), clamped to the context."""
+
+    max_tokens: int
+    asked: int | None  # the client's cap, None when it sent none
+    clamped: bool  # the cap asked (or the server's) was more than the context leaves
+
+
+def fit_output(num_prompt_tokens: int, max_tokens: int | None, max_model_len: int,
+               server_cap: int, param: str = "messages",
+               too_long: str = OPENAI_TOO_LONG) -> OutputRoom:
+    """The output cap of a rendered prompt: ``max_tokens`` (or ``server_cap`` when the client
+    sent none), clamped to the room the context leaves after the prompt, as llama-server and
+    Ollama do; a 400 ``context_length_exceeded`` in the wire's words (``too_long``) when the
+    prompt itself leaves no room."""
     if num_prompt_tokens >= max_model_len:
         raise RequestValidationError(
-            f"the prompt is {num_prompt_tokens} tokens, but the model's context length "
-            f"(max_model_len) is {max_model_len} tokens; shorten the {param}",
-            param,
-            code="context_length_exceeded",
-        )
-    if max_tokens is not None and num_prompt_tokens + max_tokens > max_model_len:
-        raise RequestValidationError(
-            f"the prompt ({num_prompt_tokens} tokens) plus {max_tokens_param} ({max_tokens}) "
-            f"exceeds max_model_len ({max_model_len}); lower {max_tokens_param}",
-            max_tokens_param,
-            code="context_length_exceeded",
-        )
+            too_long.format(num_tokens=num_prompt_tokens, max_model_len=max_model_len,
+                            param=param), param, code="context_length_exceeded")
+    room = max_model_len - num_prompt_tokens
+    wanted = server_cap if max_tokens is None else max_tokens
+    return OutputRoom(min(wanted, room), max_tokens, wanted > room)
 
 
-def check_max_tokens(value: int, name: str, max_model_len: int) -> None:
+def check_max_tokens(value: int, name: str) -> None:
+    """An output cap is at least 1; one above the context is clamped at start."""
     if value <= 0:
         raise RequestValidationError(f"{name} must be at least 1, got {value}", name)
-    if value > max_model_len:
-        raise RequestValidationError(
-            f"{name} must be at most max_model_len ({max_model_len}), got {value}", name
-        )
 
 
 def check_range(
@@ -102,7 +115,7 @@ def stop_list(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop)
 
 
-def check_sampling(req: Any, max_model_len: int) -> None:
+def check_sampling(req: Any) -> None:
     """The OpenAI sampling fields chat and text completions share (``n``, ``max_tokens``,
     temperature, nucleus, penalties, seed, ``top_k``, ``logit_bias``, ``stop``)."""
     if req.n is not None and req.n != 1:
@@ -110,7 +123,7 @@ def check_sampling(req: Any, max_model_len: int) -> None:
             f"n must be 1 (only one choice is supported), got {req.n}", "n"
         )
     if req.max_tokens is not None:
-        check_max_tokens(req.max_tokens, "max_tokens", max_model_len)
+        check_max_tokens(req.max_tokens, "max_tokens")
     check_range(req.temperature, "temperature", 0.0, 2.0)
     check_range(req.top_p, "top_p", 0.0, 1.0, low_open=True)
     check_range(req.presence_penalty, "presence_penalty", -2.0, 2.0)

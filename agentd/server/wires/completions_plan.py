@@ -37,7 +37,7 @@ class CompletionJob:
 def plan_completion(req: CompletionRequest, engine: Any, model: str,
                     created: int) -> CompletionJob:
     """Validate ``req`` and tokenize its prompt; raises OpenAI-shaped 400 errors."""
-    validate_completion_request(req, engine.max_model_len)
+    validate_completion_request(req)
     prompt = req.prompt
     if isinstance(prompt, list) and len(prompt) == 1 and not isinstance(prompt[0], int):
         prompt = prompt[0]  # ["text"] or [[ids]]: one prompt
@@ -69,14 +69,14 @@ def plan_completion(req: CompletionRequest, engine: Any, model: str,
     return CompletionJob(plan, prompt_text if req.echo else "")
 
 
-def validate_completion_request(req: CompletionRequest, max_model_len: int) -> None:
+def validate_completion_request(req: CompletionRequest) -> None:
     """Raise ``RequestValidationError`` for the first thing wrong with ``req``."""
     _check_prompt(req.prompt)
     if req.logprobs is not None:
         raise RequestValidationError("logprobs is not supported; omit it", "logprobs")
     if req.suffix is not None:
         raise RequestValidationError("suffix is not supported; omit it", "suffix")
-    check_sampling(req, max_model_len)
+    check_sampling(req)
 
 
 def _check_prompt(prompt: str | list[str | int | list[int]]) -> None:

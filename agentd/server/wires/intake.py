@@ -73,10 +73,16 @@ def text_chars(value: Any, keys: tuple[str, ...]) -> int:
     return 0
 
 
-def check_chars(num_chars: int, tokenizer: Any, max_model_len: int, param: str) -> None:
+def check_chars(num_chars: int, tokenizer: Any, max_model_len: int, param: str,
+                too_long: str | None = None) -> None:
+    """400 ``context_length_exceeded`` if ``num_chars`` characters must be more tokens than the
+    context holds; ``too_long``: the wire's own words for it (``checks.ANTHROPIC_TOO_LONG``),
+    given the lower bound as the count."""
     min_tokens = -(-num_chars // max_token_chars(tokenizer))
-    if min_tokens >= max_model_len:
-        raise _Invalid(
-            f"the prompt's text is {num_chars} characters, at least {min_tokens} tokens for this "
-            f"model, but its context length (max_model_len) is {max_model_len} tokens; shorten "
-            f"the {param}", param, code="context_length_exceeded")
+    if min_tokens < max_model_len:
+        return
+    message = (f"the prompt's text is {num_chars} characters, at least {min_tokens} tokens for "
+               f"this model, but its context length (max_model_len) is {max_model_len} tokens; "
+               f"shorten the {param}") if too_long is None else too_long.format(
+        num_tokens=min_tokens, max_model_len=max_model_len, param=param)
+    raise _Invalid(message, param, code="context_length_exceeded")

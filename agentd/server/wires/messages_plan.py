@@ -18,6 +18,7 @@ output is dropped, nothing constrains it, and it is started like any other).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,8 +28,9 @@ from agentd.engine.async_engine import AsyncEngine
 from agentd.engine.request import EngineRequest, RetentionRequest
 from agentd.engine.sampling_params import SamplingParams
 from agentd.server.errors import RequestValidationError as Invalid
+from agentd.server.ignored_fields import Ignored
 from agentd.server.wires.cache_control import ANTHROPIC_TTLS, parse_ttl
-from agentd.server.wires.checks import check_max_tokens, check_range
+from agentd.server.wires.checks import ANTHROPIC_TOO_LONG, check_max_tokens, check_range
 from agentd.server.wires.constraints import Constraint, json_constraint, tool_constraint
 from agentd.server.wires.messages_types import MessagesRequest
 from agentd.server.wires.plan import Plan, prewarm_params
@@ -52,11 +54,48 @@ def prompt_ids(req: MessagesRequest, engine: AsyncEngine) -> tuple[Conversation,
         raise Invalid("messages: the conversation needs a user turn before the assistant's",
                       "messages")
     tools = conv.tools
-    ids = render_ids(engine.tokenizer, conv.messages, tools.tools, tools.tool_choice,
-                     "messages")
+    try:
+        ids = render_ids(engine.tokenizer, conv.messages, tools.tools, tools.tool_choice,
+                         "messages")
+    except Invalid:
+        if not any(m["role"] == "system" for m in conv.messages[1:]):
+            raise
+        conv = _fold_system(conv)  # a template that takes system text at the top only
+        ids = render_ids(engine.tokenizer, conv.messages, tools.tools, tools.tool_choice,
+                         "messages")
     if conv.prefill:
         ids += plain_text_ids(engine.tokenizer, conv.prefill)
     return conv, ids
+
+
+def _fold_system(conv: Conversation) -> Conversation:
+    """``conv`` with its later system messages folded into the first one's text, in their
+    order (the cache breakpoints on them move with their text)."""
+    first = conv.messages[0] if conv.messages[0]["role"] == "system" else None
+    parts = _parts(first["content"]) if first else []
+    kept: list[dict[str, Any]] = []
+    moved: dict[int, int] = {}  # old message index -> new index (or -(1 + part offset))
+    for i, message in enumerate(conv.messages):
+        if message is first:
+            moved[i] = 0
+        elif message["role"] == "system":
+            moved[i] = -(1 + len(parts))
+            parts += _parts(message["content"])
+        else:
+            moved[i] = len(kept) + 1
+            kept.append(message)
+    breakpoints = [(i if i == TOOLS_CUT else moved[i] if moved[i] >= 0 else 0,
+                    part if i == TOOLS_CUT or moved[i] >= 0 else part - moved[i] - 1, ttl)
+                   for i, part, ttl in conv.breakpoints]
+    note = Ignored("messages[].role", "system messages after the first turn: this model's "
+                   "template takes system text at the top only, so they were folded into it, "
+                   "in order")
+    return dataclasses.replace(conv, messages=[{"role": "system", "content": parts}, *kept],
+                               breakpoints=breakpoints, ignored=[*conv.ignored, note])
+
+
+def _parts(content: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"type": "text", "text": content}] if isinstance(content, str) else list(content)
 
 
 def plan_messages(req: MessagesRequest, engine: AsyncEngine, model: str,
@@ -64,7 +103,7 @@ def plan_messages(req: MessagesRequest, engine: AsyncEngine, model: str,
     if req.max_tokens is None:
         raise Invalid("max_tokens: Field required", "max_tokens")
     if req.max_tokens != 0:
-        check_max_tokens(req.max_tokens, "max_tokens", engine.max_model_len)
+        check_max_tokens(req.max_tokens, "max_tokens")
     check_range(req.temperature, "temperature", 0.0, 1.0)
     check_range(req.top_p, "top_p", 0.0, 1.0, low_open=True)
     if req.top_k is not None and req.top_k < 0:
@@ -90,7 +129,8 @@ def plan_messages(req: MessagesRequest, engine: AsyncEngine, model: str,
     plan = Plan(model=model, created=created, request=request,
                 tool_mode=ToolMode.PARSE if tools.on else ToolMode.OFF,
                 constraint=None if prewarm else constraint,
-                prompt_cache_key=_user_id(req.metadata))
+                user_id=_user_id(req.metadata), too_long=ANTHROPIC_TOO_LONG,
+                ignored=tuple(conv.ignored), keepalive=PING)
     return MessagesJob(plan, stops, prewarm)
 
 
@@ -131,9 +171,15 @@ def _user_id(metadata: dict[str, Any] | None) -> str | None:
 _UNSUPPORTED = {"container": "code-execution containers", "mcp_servers": "MCP servers"}
 
 
-_REFUSED_BLOCKS = {"image": "images", "document": "documents", "thinking": "thinking blocks",
-                   "redacted_thinking": "thinking blocks", "search_result": "search results",
+_REFUSED_BLOCKS = {"image": "images", "document": "documents", "search_result": "search results",
                    "server_tool_use": "server tools", "web_search_tool_result": "server tools"}
+# The model's own reasoning from earlier turns, sent back as the API asks: no template here
+# renders it, so it leaves the prompt (a model that does not think never wrote any).
+_THINKING_BLOCKS = ("thinking", "redacted_thinking")
+_THINKING_TYPES = ("disabled", "enabled", "adaptive")
+PING = b'event: ping\ndata: {"type": "ping"}\n\n'  # Anthropic's keep-alive event
+_EFFORTS = ("low", "medium", "high", "xhigh", "max")
+NO_THINKING = "this model has no thinking template: it answers without thinking"
 
 
 @dataclass
@@ -146,6 +192,7 @@ class Conversation:
     breakpoints: list[tuple[int, int, float]] = field(default_factory=list)
     prefill: str | None = None
     whole_ttl_s: float | None = None  # top-level cache_control: the whole prompt
+    ignored: list[Ignored] = field(default_factory=list)  # accepted, and a no-op here
 
 
 def cache_ttl(mark: Any, where: str) -> float:
@@ -158,17 +205,23 @@ def cache_ttl(mark: Any, where: str) -> float:
     return ttl_s
 
 
+BILLING_PREFIX = "x-anthropic-billing-header:"
+BILLING_WHY = ("Claude Code's billing line, for Anthropic's API: left out of the prompt (its "
+               "per-prompt hash would make every prompt miss the cache)")
+
+
 def parse_conversation(req: MessagesRequest) -> Conversation:
     """Everything but sampling: checked and converted (a 400 for the first thing wrong)."""
     for name, what in _UNSUPPORTED.items():
         if getattr(req, name) is not None:
             raise Invalid(f"{name}: {what} are not supported by agentd; omit {name}", name)
-    if req.thinking is not None and req.thinking.get("type") != "disabled":
-        raise Invalid("thinking: extended thinking is not supported by this model; omit it or "
-                      'send {"type": "disabled"}', "thinking")
     if not req.messages:
         raise Invalid("messages: at least one message is required", "messages")
     conv = Conversation(tools=anthropic_tools(req.tools, req.tool_choice))
+    conv.ignored += _thinking(req.thinking) + _effort(req.output_config)
+    if req.context_management is not None:
+        conv.ignored.append(Ignored("context_management", "nothing to clear: no thinking is "
+                                    "kept, and the prompt is the client's to trim"))
     for i, tool in enumerate(req.tools or []):
         if "cache_control" in tool and tool["cache_control"] is not None:
             conv.breakpoints.append((TOOLS_CUT, 0, cache_ttl(tool["cache_control"],
@@ -184,12 +237,54 @@ def parse_conversation(req: MessagesRequest) -> Conversation:
     return conv
 
 
-def _system(conv: Conversation, system: str | list[dict[str, Any]]) -> None:
+def _thinking(thinking: dict[str, Any] | None) -> list[Ignored]:
+    """Extended thinking asked of a model without a thinking template: answered without it."""
+    if thinking is None:
+        return []
+    kind = thinking.get("type")
+    if kind not in _THINKING_TYPES:
+        raise Invalid(f"thinking.type must be one of {', '.join(_THINKING_TYPES)}, got {kind!r}",
+                      "thinking.type")
+    budget = thinking.get("budget_tokens")
+    if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool)):
+        raise Invalid(f"thinking.budget_tokens must be an integer, got {budget!r}",
+                      "thinking.budget_tokens")
+    return [] if kind == "disabled" else [Ignored("thinking", NO_THINKING)]
+
+
+def _effort(config: dict[str, Any] | None) -> list[Ignored]:
+    effort = (config or {}).get("effort")
+    if effort is None:
+        return []
+    if effort not in _EFFORTS:
+        raise Invalid(f"output_config.effort must be one of {', '.join(_EFFORTS)}, got "
+                      f"{effort!r}", "output_config.effort")
+    return [Ignored("output_config.effort", "one effort here: the model's own")]
+
+
+def _system(conv: Conversation, system: str | list[dict[str, Any]], where: str = "system") -> None:
+    """System text, at the top or where a message of role ``system`` put it; Claude Code's
+    billing line (``x-anthropic-billing-header: ...``, a per-prompt hash for Anthropic's API,
+    not text for the model) is left out, so that no two prompts differ in their first block."""
     if isinstance(system, str):
+        if system.startswith(BILLING_PREFIX):
+            conv.ignored.append(Ignored(where, BILLING_WHY))
+            system = system.partition("\n")[2]
         conv.messages.append({"role": "system", "content": system})
         return
-    parts = [_text_block(block, f"system.{j}") for j, block in enumerate(system)]
-    conv.breakpoints += [(0, j, ttl) for j, (_, ttl) in enumerate(parts) if ttl is not None]
+    if not isinstance(system, list):
+        raise Invalid(f"{where} must be a string or text blocks", where)
+    index = len(conv.messages)
+    parts = []
+    for j, block in enumerate(system):
+        part, ttl = _text_block(block, f"{where}.{j}")
+        if part["text"].startswith(BILLING_PREFIX):
+            conv.ignored.append(Ignored(f"{where}.{j}", BILLING_WHY))
+        else:
+            parts.append((part, ttl))
+    if not parts:
+        return
+    conv.breakpoints += [(index, j, ttl) for j, (_, ttl) in enumerate(parts) if ttl is not None]
     conv.messages.append({"role": "system", "content": [p for p, _ in parts]})
 
 
@@ -211,12 +306,14 @@ def _message(conv: Conversation, message: Any, where: str, previous_calls: set[s
     if not isinstance(message, dict):
         raise Invalid(f"{where} must be an object with role and content", where)
     role, content = message.get("role"), message.get("content")
-    if role not in ("user", "assistant"):
-        hint = " (put system text in the top-level system field)" if role == "system" else ""
-        raise Invalid(f"{where}.role must be \"user\" or \"assistant\", got {role!r}{hint}",
-                      f"{where}.role")
+    if role not in ("user", "assistant", "system"):
+        raise Invalid(f"{where}.role must be \"user\", \"assistant\" or \"system\", got "
+                      f"{role!r}", f"{where}.role")
     if content is None:
         raise Invalid(f"{where}.content: Field required", f"{where}.content")
+    if role == "system":  # mid-conversation system text, rendered where it was sent
+        _system(conv, content, f"{where}.content")
+        return set()
     blocks = [{"type": "text", "text": content}] if isinstance(content, str) else content
     if not isinstance(blocks, list):
         raise Invalid(f"{where}.content must be a string or a list of blocks", f"{where}.content")
@@ -272,6 +369,9 @@ def _assistant(conv: Conversation, blocks: list[Any], where: str, last: bool) ->
     index = len(conv.messages)
     for j, block in enumerate(blocks):
         kind = block.get("type") if isinstance(block, dict) else None
+        if kind in _THINKING_BLOCKS:
+            conv.ignored.append(Ignored(f"{where}.{j}", NO_THINKING))
+            continue
         if kind == "tool_use":
             calls.append(_tool_use(block, f"{where}.{j}"))
         elif kind == "tool_result":

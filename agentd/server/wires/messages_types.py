@@ -32,6 +32,7 @@ class MessagesRequest(msgspec.Struct, kw_only=True):
     container: Any = None
     mcp_servers: Any = None
     output_config: dict[str, Any] | None = None  # format: a JSON schema for the reply
+    context_management: dict[str, Any] | None = None  # Claude Code's (clearing old thinking)
     # accepted and ignored: they change nothing a local model does
     diagnostics: dict[str, Any] | None = None
     inference_geo: str | None = None

@@ -103,6 +103,7 @@ class ModelCard(msgspec.Struct, kw_only=True):
     id: str
     created: int
     max_model_len: int
+    max_output_tokens: int  # the cap of a request that sets none (agentd start --max-output-tokens)
     object: str = "model"
     owned_by: str = "agentd"
 

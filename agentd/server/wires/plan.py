@@ -19,24 +19,30 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from litestar import Request, Response
+
 from agentd.engine.outputs import StreamDelta
 from agentd.engine.request import EngineRequest, RetentionRequest
 from agentd.engine.sampling_params import SamplingParams
+from agentd.server import ignored_fields
 from agentd.server.auth import cache_tenant
-from agentd.server.wires.checks import validate_prompt_len
+from agentd.server.ignored_fields import Ignored
+from agentd.server.sessions import near_miss_group, session_key
+from agentd.server.wires.checks import OPENAI_TOO_LONG, fit_output
 from agentd.server.wires.constraints import Constraint, compile_constraint
 from agentd.server.wires.reply_events import Event, events
 from agentd.server.wires.serving import (
+    SSE_COMMENT,
     collect,
     effective_cache_salt,
     event_stream,
     submit,
     until_disconnect,
+    with_keepalive,
 )
 from agentd.server.wires.tool_calls import ToolMode
 
 if TYPE_CHECKING:
-    from litestar import Request
 
     from agentd.engine.request_stream import RequestStream
     from agentd.server.state import ServerState
@@ -53,8 +59,12 @@ class Plan:
     constraint: Constraint | None
     include_usage: bool = False
     prompt_cache_key: str | None = None
+    user_id: str | None = None  # Anthropic's metadata.user_id: the key when nothing else names one
     prompt_param: str = "messages"  # what a prompt too long for the context names
     max_tokens_param: str = "max_tokens"
+    too_long: str = OPENAI_TOO_LONG  # that error's words on this wire
+    ignored: tuple[Ignored, ...] = ()  # what the wire accepted and does not act on
+    keepalive: bytes = SSE_COMMENT  # what a stream sends while nothing else comes
 
     @property
     def request_id(self) -> str:
@@ -81,20 +91,48 @@ class Running:
 
 
 async def start(request: Request[Any, Any, Any], server: ServerState, plan: Plan) -> Running:
-    """Check the plan's prompt, compile its constraint, submit it for the caller's tenant."""
+    """Check the plan's prompt and fit its output cap to the context, compile its constraint,
+    submit it for the caller's tenant."""
     engine = server.require_engine()
     wanted = plan.request
-    validate_prompt_len(len(wanted.prompt_token_ids), wanted.params.max_tokens,
-                        engine.max_model_len, plan.prompt_param, plan.max_tokens_param)
+    params = _fitted(request, server, plan, engine.max_model_len)
     grammar = await compile_constraint(engine, plan.constraint)
     tenant = cache_tenant(request)
     deltas = submit(engine, dataclasses.replace(
-        wanted, cache_salt=effective_cache_salt(tenant, wanted.cache_salt), owner=tenant,
-        grammar=grammar), server.max_in_flight(engine))
+        wanted, params=params, cache_salt=effective_cache_salt(tenant, wanted.cache_salt),
+        owner=tenant, grammar=grammar), server.max_in_flight(engine))
     server.arrived(request.scope)
-    server.observe_prompt(tenant, plan.prompt_cache_key, wanted.prompt_token_ids)
-    on_finish = partial(_finished, server, plan.model, tenant, plan.prompt_cache_key)
+    key = session_key(request, plan.prompt_cache_key, plan.user_id)
+    server.observe_prompt(tenant, near_miss_group(request, key), wanted.prompt_token_ids)
+    on_finish = partial(_finished, server, plan.model, tenant, key)
     return Running(deltas, events(deltas, plan.tool_mode, on_finish))
+
+
+def _fitted(request: Request[Any, Any, Any], server: ServerState, plan: Plan,
+            max_model_len: int) -> SamplingParams:
+    """The plan's sampling params with its output cap fitted (``fit_output``); a clamped cap
+    is said as the other ignored fields are."""
+    params = plan.params
+    room = fit_output(len(plan.prompt_token_ids), params.max_tokens, max_model_len,
+                      server.settings.max_output_tokens, plan.prompt_param, plan.too_long)
+    ignored_fields.note(request, plan.ignored)
+    if room.clamped and room.asked is not None:
+        ignored_fields.note(request, [Ignored(
+            plan.max_tokens_param, f"{room.asked} is more than the {room.max_tokens} tokens the "
+            "context leaves after the prompt: clamped to them")])
+    if room.max_tokens == params.max_tokens:
+        return params
+    return dataclasses.replace(params, max_tokens=room.max_tokens)
+
+
+def reply_headers(request: Request[Any, Any, Any], server: ServerState) -> dict[str, str]:
+    """What a reply says of the fields it ignored (``x-agentd-ignored``), logged once per
+    client and field."""
+    fields = ignored_fields.ignored(request)
+    if not fields:
+        return {}
+    server.ignored_log.log(ignored_fields.client_name(request), request.url.path, fields)
+    return {ignored_fields.HEADER: ignored_fields.header_value(fields)}
 
 
 def _finished(server: ServerState, model: str, tenant: str | None, key: str | None,
@@ -110,9 +148,12 @@ async def answer(request: Request[Any, Any, Any], server: ServerState, plan: Pla
     """Start ``plan`` and answer with its event stream encoded (``streamed``) or folded whole
     (``whole``, aborted if the client goes away first)."""
     running = await start(request, server, plan)
+    headers = reply_headers(request, server)
     if stream:
-        return event_stream(streamed(running.events))
-    return await until_disconnect(request, whole(running.events), running.deltas)
+        return event_stream(with_keepalive(streamed(running.events), plan.keepalive,
+                                           server.settings.keepalive_s), headers)
+    reply = await until_disconnect(request, whole(running.events), running.deltas)
+    return Response(reply, headers=headers) if headers else reply
 
 
 def prewarm_params() -> SamplingParams:

@@ -33,7 +33,10 @@ from agentd.server.wires.reply_events import (
     fold,
 )
 from agentd.server.wires.responses_plan import ResponsesJob
+from agentd.server.wires.responses_tools import call_item, custom_input
 from agentd.server.wires.responses_types import (
+    CallItem,
+    CustomToolCallItem,
     FunctionCallItem,
     InputTokensDetails,
     OutputItem,
@@ -84,8 +87,8 @@ async def complete_response(job: ResponsesJob, events: AsyncIterator[Event],
     if whole.content and whole.content.strip():
         output.append(OutputMessage(id=_item_id("msg", job.plan.request_id),
                                     content=[OutputText(text=whole.content)]))
-    output += [FunctionCallItem(id=_item_id("fc", c.id), call_id=c.id, name=c.name,
-                                arguments=c.arguments_json) for c in whole.calls]
+    output += [call_item(job.tools, _item_id("fc", c.id), c.id, c.name, c.arguments_json)
+               for c in whole.calls]
     response = finished_response(job, output, finished.last, bool(whole.calls))
     on_stored(response, finished.token_ids)
     return response
@@ -100,7 +103,9 @@ class _Streamer:
     output: list[OutputItem] = field(default_factory=list)
     open_text: list[str] | None = None  # the open message's text so far
     message_id: str = ""
-    open_call: FunctionCallItem | None = None
+    open_call: FunctionCallItem | None = None  # streamed as function_call deltas
+    custom_call: CustomToolCallItem | None = None  # its text is sent whole, once written
+    custom_arguments: list[str] = field(default_factory=list)
     pending_space: str = ""
 
     def event(self, kind: str, **fields: Any) -> bytes:
@@ -137,17 +142,39 @@ class _Streamer:
 
     def call_start(self, piece: CallStart) -> list[bytes]:
         out = self.close()
-        self.open_call = FunctionCallItem(id=_item_id("fc", piece.id), call_id=piece.id,
-                                          name=piece.name, arguments="", status="in_progress")
+        item = call_item(self.job.tools, _item_id("fc", piece.id), piece.id, piece.name, "",
+                         "in_progress")
+        if isinstance(item, CustomToolCallItem):
+            self.custom_call, self.custom_arguments = item, []
+        else:
+            self.open_call = item
         out.append(self.event("response.output_item.added", output_index=self.index,
-                              item=self.open_call))
+                              item=item))
         return out
 
     def call_arguments(self, text: str) -> list[bytes]:
+        if self.custom_call is not None:
+            self.custom_arguments.append(text)
+            return []
         assert self.open_call is not None  # the parser starts a call before its arguments
         self.open_call.arguments += text
         return [self.event("response.function_call_arguments.delta", item_id=self.open_call.id,
                            output_index=self.index, delta=text)]
+
+    def close_custom(self) -> list[bytes]:
+        """A custom call's text, sent whole: the model wrote it as one JSON string."""
+        call = self.custom_call
+        assert call is not None
+        call.input = custom_input("".join(self.custom_arguments))
+        call.status = "completed"
+        self.output.append(call)
+        self.custom_call = None
+        index = self.index - 1
+        return [self.event("response.custom_tool_call_input.delta", item_id=call.id,
+                           output_index=index, delta=call.input),
+                self.event("response.custom_tool_call_input.done", item_id=call.id,
+                           output_index=index, input=call.input),
+                self.event("response.output_item.done", output_index=index, item=call)]
 
     def close(self) -> list[bytes]:
         """Finish the open item (message or call): its done events."""
@@ -174,6 +201,8 @@ class _Streamer:
                                   item=call))
             self.output.append(call)
             self.open_call = None
+        if self.custom_call is not None:
+            out += self.close_custom()
         return out
 
     def piece(self, piece: Event) -> list[bytes]:
@@ -199,7 +228,7 @@ async def stream_response(job: ResponsesJob, events: AsyncIterator[Event],
                 if isinstance(item, Finished):
                     for chunk in streamer.close():
                         yield chunk
-                    calls = any(isinstance(i, FunctionCallItem) for i in streamer.output)
+                    calls = any(isinstance(i, CallItem) for i in streamer.output)
                     response = finished_response(job, streamer.output, item.last, calls)
                     on_stored(response, item.token_ids)
                     stored = True

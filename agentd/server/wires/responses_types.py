@@ -30,15 +30,28 @@ class OutputMessage(msgspec.Struct, kw_only=True, tag_field="type", tag="message
     role: str = "assistant"
 
 
-class FunctionCallItem(msgspec.Struct, kw_only=True, tag_field="type", tag="function_call"):
+class FunctionCallItem(msgspec.Struct, kw_only=True, tag_field="type", tag="function_call",
+                       omit_defaults=True):
     id: str
     call_id: str
     name: str
     arguments: str
     status: str = "completed"
+    namespace: str | None = None  # the namespace tool it belongs to, if any
 
 
-OutputItem = OutputMessage | FunctionCallItem
+class CustomToolCallItem(msgspec.Struct, kw_only=True, tag_field="type",
+                         tag="custom_tool_call", omit_defaults=True):
+    id: str
+    call_id: str
+    name: str
+    input: str  # the free text the model wrote for the tool
+    status: str = "completed"
+    namespace: str | None = None
+
+
+CallItem = FunctionCallItem | CustomToolCallItem
+OutputItem = OutputMessage | FunctionCallItem | CustomToolCallItem
 
 
 class InputTokensDetails(msgspec.Struct, kw_only=True):

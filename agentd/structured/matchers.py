@@ -285,9 +285,11 @@ class StructuredOutputs(RequestHooks):
         req = self._requests.get(request_id)
         if req is None:
             return True
+        if req.matcher.is_terminated():
+            return False  # asked here, not by feeding it: xgrammar logs a warning for each
         try:
             ok = bool(req.matcher.accept_token(token_id))
-        except Exception:  # a terminated matcher refuses by raising
+        except Exception:  # a matcher that refuses by raising
             return False
         if ok:
             req.token_ids.append(token_id)

@@ -226,3 +226,23 @@ def test_without_closing_open_ended_json_runs_out(llm: LLM, prompts: list[list[i
                                                 structured_outputs=StructuredOutputsParams(
                                                     json=OPEN_ENDED)))
     assert any(out.finish_reason == "length" for out in outs)
+
+
+def test_a_finished_grammar_is_asked_not_fed(llm: LLM, capfd) -> None:
+    """A matcher that has terminated refuses the next token without being fed it: feeding it
+    made xgrammar log "matcher has terminated ... trying to accept new token" (13 times in one
+    Codex session)."""
+    from agentd.structured.matchers import StructuredOutputs
+
+    engine = llm.engine
+    grammar = engine.grammars.compile(StructuredOutputsParams(choice=["yes"]))
+    outputs = StructuredOutputs(engine.vocab_size)
+    outputs.add("r", grammar)
+    for token_id in [*llm.tokenizer("yes", add_special_tokens=False).input_ids,
+                     *engine.loaded.eos_token_ids[:1]]:
+        assert outputs.accept("r", token_id)
+    capfd.readouterr()
+    assert outputs.is_terminated("r")
+    assert not outputs.accept("r", llm.tokenizer(" no").input_ids[0])
+    captured = capfd.readouterr()
+    assert "terminated" not in captured.err + captured.out

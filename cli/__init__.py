@@ -19,6 +19,7 @@ from agentd import __version__
 COMMANDS = {
     "bench": "agentd.cli.bench:command",
     "cluster": "agentd.cli.cluster:command",
+    "launch": "agentd.cli.launch:command",
     "start": "agentd.cli.start:command",
     "stop": "agentd.cli.stop:command",
     "status": "agentd.cli.status:command",

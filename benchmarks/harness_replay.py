@@ -122,8 +122,9 @@ def replay(client: httpx.Client, target: Target, session: Path, cap: int) -> Non
                if r["method"] == "POST" and r["path"] in GENERATION and r.get("body")]
     for i, record in enumerate(records):
         body = capped(record["body"], record["path"], target.model, cap)
-        status, ttft, total, events = send(client, target.url, record["path"], body,
-                                           record.get("headers", {}))
+        headers = {k: v for k, v in record.get("headers", {}).items()
+                   if k != "content-encoding"}  # the body is sent as plain JSON
+        status, ttft, total, events = send(client, target.url, record["path"], body, headers)
         usage = usage_of(events) if status < 400 else None
         row = Row(session.name.split(".")[0], i + 1, record["path"], status,
                   usage.prompt_tokens if usage else 0, usage.cached_tokens if usage else 0,
@@ -147,7 +148,7 @@ def probe_bodies(sessions: list[Path], tokens: int) -> tuple[dict[str, Any], dic
     while len(padding) < 3.3 * tokens:
         padding += padding
     long = copy.deepcopy(long)
-    have = len(json.dumps(long["messages"]))
+    have = len(json.dumps(long["messages"])) + len(json.dumps(long.get("tools") or []))
     long["messages"].insert(1, {"role": "user", "content": "Reference:\n" + padding[
         :max(0, int(3.3 * tokens) - have)]})
     return short, long

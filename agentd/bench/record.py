@@ -112,6 +112,24 @@ def usage_of(reply: list[dict[str, Any]]) -> Usage | None:
     return Usage(prompt, cached or 0, output or 0)
 
 
+def finish_of(reply: list[dict[str, Any]]) -> str | None:
+    """How a reply ended, on any wire: a Chat/Completions ``finish_reason``, a Messages
+    ``stop_reason``, or a Responses status (``incomplete:<reason>`` when cut short)."""
+    finish = None
+    for event in reply:
+        if (event.get("type") in ("response.completed", "response.incomplete")
+                or event.get("object") == "response"):
+            response = event.get("response", event)
+            reason = (response.get("incomplete_details") or {}).get("reason")
+            finish = response.get("status", finish) + (f":{reason}" if reason else "")
+        for choice in event.get("choices") or []:
+            finish = choice.get("finish_reason") or finish
+        message = event.get("message", event) if event.get("type") == "message_start" else event
+        stop = (event.get("delta") or {}).get("stop_reason") or message.get("stop_reason")
+        finish = stop or finish
+    return finish
+
+
 def reply_events(raw: bytes, content_type: str) -> list[dict[str, Any]]:
     if "event-stream" in content_type:
         return list(sse_events(raw))
@@ -192,6 +210,7 @@ class Recorder:
             usage = usage_of(events)
             record["duration_s"] = time.perf_counter() - start
             record["usage"] = None if usage is None else usage.__dict__
+            record["finish"] = finish_of(events)
             if response.status_code >= 400 or "event-stream" not in content_type:
                 record["reply"] = events[0] if events else bytes(reply[:4096]).decode(
                     "utf-8", "replace")

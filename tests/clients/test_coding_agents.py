@@ -21,7 +21,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,6 +39,12 @@ CLIENT_PACKAGES = {  # npm package -> its pinned version (the versions recorded 
 MODEL = "SmolLM2-135M-Instruct"
 TURN_TIMEOUT_S = 1800  # a cold 20k-token prefill on 2 cores, and a reply
 CLIENT_ERRORS = ("API Error", "ERROR:", "AI_APICallError", "Error: ")
+CAPPED = ("incomplete:max_output_tokens", "length", "max_tokens")  # a reply cut at its cap
+# what Codex and Claude Code print (and exit 1 with) for a reply cut at their cap, as they do
+# against OpenAI's and Anthropic's APIs; the test's cap is short so that the default model's
+# rambling stays within minutes, and the notice is accepted only where the records show the cut
+CAPPED_NOTICES = ("Incomplete response returned, reason: max_output_tokens",
+                  "output token maximum. To configure this behavior")
 
 
 @pytest.fixture(scope="module")
@@ -71,10 +77,16 @@ def _installed_version(root: Path, package: str) -> str | None:
         return None
 
 
+OUTPUT_CAP = 64  # the daemon's --max-output-tokens, and what each client is told to ask
+
+
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory, daemon_process) -> Iterator:
-    """``agentd start`` on its defaults (the default model, served at 32,768 tokens)."""
-    with daemon_process(tmp_path_factory.mktemp("agents") / "state") as daemon:
+    """``agentd start`` on its defaults (the default model, served at 32,768 tokens) but for a
+    short output cap: the default model decodes 3-5 tokens/s at these contexts on 2 cores, and
+    the protocol, not the answer, is what is judged."""
+    with daemon_process(tmp_path_factory.mktemp("agents") / "state",
+                        "--max-output-tokens", str(OUTPUT_CAP)) as daemon:
         yield daemon
 
 
@@ -88,10 +100,13 @@ class Session:
 
     def judge(self) -> None:
         for turn, (output, code) in enumerate(zip(self.outputs, self.codes, strict=True)):
-            assert code == 0, f"turn {turn + 1} exited {code}:\n{output[-3000:]}"
+            capped = any(r.get("finish") in CAPPED for r in self.records[turn])
             errors = [line for line in output.splitlines()
-                      if any(mark in line for mark in CLIENT_ERRORS)]
+                      if any(mark in line for mark in CLIENT_ERRORS)
+                      and not (capped and any(n in line for n in CAPPED_NOTICES))]
             assert not errors, f"turn {turn + 1} printed errors: {errors}"
+            assert code == 0 or (capped and any(n in output for n in CAPPED_NOTICES)), (
+                f"turn {turn + 1} exited {code}:\n{output[-3000:]}")
         for turn, records in enumerate(self.records):
             assert records, f"turn {turn + 1} sent no request"
             refused = [(r["method"], r["path"], r["status"], r.get("reply")) for r in records
@@ -117,11 +132,12 @@ def project(tmp_path: Path) -> Path:
     return root
 
 
-def run_turns(argvs: list[list[str]], env: dict[str, str], cwd: Path,
-              daemon_url: str) -> Session:
+def run_turns(argvs: list[list[str]], env: dict[str, str], cwd: Path, daemon_url: str,
+              prepare: Callable[[str], None] = lambda url: None) -> Session:
     """Each argv (with ``{url}`` for the recorder's URL) in turn, through one recorder."""
     session = Session([], [], [])
     with recording(daemon_url) as (url, recorder):
+        prepare(url)
         for argv in argvs:
             seen = len(recorder.records)
             argv = [part.replace("{url}", url) for part in argv]
@@ -157,7 +173,8 @@ def by_hand_setup(client: str, env: dict[str, str], root: Path) -> None:
     """What each client's docs say to set for a custom endpoint, and nothing more."""
     if client == "claude":
         env.update(ANTHROPIC_BASE_URL="{url}", ANTHROPIC_AUTH_TOKEN="unused",
-                   ANTHROPIC_MODEL=MODEL, ANTHROPIC_SMALL_FAST_MODEL=MODEL)
+                   ANTHROPIC_MODEL=MODEL, ANTHROPIC_SMALL_FAST_MODEL=MODEL,
+                   CLAUDE_CODE_MAX_OUTPUT_TOKENS=str(OUTPUT_CAP))
     elif client == "codex":
         codex_home = Path(env["HOME"]) / ".codex"
         codex_home.mkdir()
@@ -171,7 +188,8 @@ def by_hand_setup(client: str, env: dict[str, str], root: Path) -> None:
             "$schema": "https://opencode.ai/config.json",
             "provider": {"agentd": {"npm": "@ai-sdk/openai-compatible", "name": "agentd",
                                     "options": {"baseURL": "{url}/v1", "apiKey": "unused"},
-                                    "models": {MODEL: {"name": MODEL}}}},
+                                    "models": {MODEL: {"name": MODEL, "limit": {
+                                        "context": 32768, "output": OUTPUT_CAP}}}}},
             "model": f"agentd/{MODEL}"}))
 
 
@@ -186,18 +204,8 @@ def test_a_client_configured_by_hand_runs_two_turns(client, client_bin, daemon, 
     root = project(tmp_path)
     env = base_env(tmp_path, client_bin)
     by_hand_setup(client, env, root)
-    session = Session([], [], [])
-    with recording(daemon.url) as (url, recorder):
-        fill_url_in_files(root, env, url)
-        turn_env = {k: v.replace("{url}", url) for k, v in env.items()}
-        for argv in BY_HAND[client]:
-            seen = len(recorder.records)
-            result = subprocess.run(argv, cwd=root, env=turn_env, stdin=subprocess.DEVNULL,
-                                    capture_output=True, text=True, timeout=TURN_TIMEOUT_S)
-            session.outputs.append(result.stdout + result.stderr)
-            session.codes.append(result.returncode)
-            session.records.append(recorder.records[seen:])
-    session.judge()
+    run_turns(list(BY_HAND[client]), env, root, daemon.url,
+              prepare=lambda url: fill_url_in_files(root, env, url)).judge()
 
 
 @pytest.mark.parametrize("client", sorted(BY_HAND))

@@ -419,7 +419,8 @@ def test_completion_shapes() -> None:
 
 
 def test_model_list_and_error_shapes() -> None:
-    models = ModelList(data=[ModelCard(id="smollm2", created=5, max_model_len=2048)])
+    models = ModelList(data=[ModelCard(id="smollm2", created=5, max_model_len=2048,
+                                       max_output_tokens=512)])
     assert encode(models) == {
         "object": "list",
         "data": [
@@ -429,6 +430,7 @@ def test_model_list_and_error_shapes() -> None:
                 "created": 5,
                 "owned_by": "agentd",
                 "max_model_len": 2048,
+                "max_output_tokens": 512,
             }
         ],
     }

@@ -1,0 +1,80 @@
+"""``agentd.bench.record``: a client pointed at the recorder gets what the server sends, and each
+exchange is written with its status and the usage and finish its reply reported, on every wire,
+streamed or not (the coding-agent tests and the replay benchmark read these)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import httpx
+import openai
+import pytest
+
+from agentd.bench.record import read_records, recording
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_factory, serve):
+    from agentd.config import EngineConfig
+    from agentd.engine.async_engine import AsyncEngine
+    from agentd.server.app import create_app
+
+    config = EngineConfig(model=str(tiny_model_factory("llama")), kv_cache_memory_bytes=8 * 2**20)
+    engine = AsyncEngine.from_config(config)
+    engine.start()
+    try:
+        with serve(create_app(config, engine=engine)) as url:
+            yield url
+    finally:
+        engine.shutdown()
+
+
+def test_every_wire_is_passed_on_and_recorded_with_its_usage(server, tmp_path) -> None:
+    out = tmp_path / "s.jsonl"
+    with recording(server, out, label="t") as (url, recorder):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        chat = client.chat.completions.create(
+            model="m", max_tokens=5, temperature=0,
+            messages=[{"role": "user", "content": "hello there"}])
+        streamed = list(client.chat.completions.create(
+            model="m", max_tokens=5, temperature=0, stream=True,
+            stream_options={"include_usage": True},
+            messages=[{"role": "user", "content": "hello there"}]))
+        response = client.responses.create(model="m", input="hello there", max_output_tokens=5,
+                                           temperature=0)
+        with httpx.stream("POST", f"{url}/v1/messages", headers={"x-session-id": "abc"},
+                          json={"model": "m", "max_tokens": 5, "stream": True,
+                                "messages": [{"role": "user", "content": "hello there"}]}) as r:
+            messages_text = r.read().decode()
+        refused = httpx.post(f"{url}/v1/chat/completions", json={"model": "m", "messages": 3})
+        head = httpx.head(url)
+    assert refused.status_code == 400 and head.status_code == 200
+    assert "event: message_stop" in messages_text
+    records = read_records(out)
+    assert records == recorder.records and len(records) == 6
+    assert [r["status"] for r in records] == [200, 200, 200, 200, 400, 200]
+    assert all(r["label"] == "t" for r in records)
+    first, stream, resp, msg, bad, probe = records
+    assert first["usage"] == {"prompt_tokens": chat.usage.prompt_tokens,
+                              "cached_tokens": chat.usage.prompt_tokens_details.cached_tokens,
+                              "output_tokens": chat.usage.completion_tokens}
+    assert first["finish"] == chat.choices[0].finish_reason
+    assert first["body"]["messages"][0]["content"] == "hello there"
+    assert stream["usage"]["prompt_tokens"] == streamed[-1].usage.prompt_tokens
+    cached = streamed[-1].usage.prompt_tokens_details.cached_tokens
+    assert stream["usage"]["cached_tokens"] == cached > 0  # the first request's prompt
+    assert resp["usage"]["output_tokens"] == response.usage.output_tokens
+    assert resp["finish"] == response.status + (
+        f":{response.incomplete_details.reason}" if response.incomplete_details else "")
+    assert msg["headers"]["x-session-id"] == "abc" and msg["usage"]["output_tokens"] >= 1
+    assert msg["finish"] in ("end_turn", "max_tokens")
+    assert bad["usage"] is None and bad["reply"]["error"]["param"] == "messages"
+    assert probe["method"] == "HEAD" and probe["path"] == "/"
+
+
+def test_a_gzipped_recording_reads_back(tmp_path) -> None:
+    path = tmp_path / "s.jsonl.gz"
+    with gzip.open(path, "wt") as f:
+        f.write(json.dumps({"path": "/v1/chat/completions"}) + "\n\n")
+    assert read_records(path) == [{"path": "/v1/chat/completions"}]

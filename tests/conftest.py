@@ -352,6 +352,23 @@ def daemon_process() -> type[DaemonProcess]:
     return DaemonProcess
 
 
+@pytest.fixture(scope="module")
+def tiny_server(tiny_model_factory) -> Iterator[tuple[str, Any]]:
+    """A tiny llama served on loopback in this process: (its URL, its AsyncEngine)."""
+    from agentd.config import EngineConfig
+    from agentd.engine.async_engine import AsyncEngine
+    from agentd.server.app import create_app
+
+    config = EngineConfig(model=str(tiny_model_factory("llama")), kv_cache_memory_bytes=8 * 2**20)
+    engine = AsyncEngine.from_config(config)
+    engine.start()
+    try:
+        with serve_in_thread(create_app(config, engine=engine)) as url:
+            yield url, engine
+    finally:
+        engine.shutdown()
+
+
 @pytest.fixture(scope="session")
 def default_daemon(tmp_path_factory) -> Iterator[DaemonProcess]:
     """One ``agentd start`` with the default model and its default settings, shared by every

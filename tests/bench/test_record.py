@@ -15,19 +15,8 @@ from agentd.bench.record import read_records, recording
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_factory, serve):
-    from agentd.config import EngineConfig
-    from agentd.engine.async_engine import AsyncEngine
-    from agentd.server.app import create_app
-
-    config = EngineConfig(model=str(tiny_model_factory("llama")), kv_cache_memory_bytes=8 * 2**20)
-    engine = AsyncEngine.from_config(config)
-    engine.start()
-    try:
-        with serve(create_app(config, engine=engine)) as url:
-            yield url
-    finally:
-        engine.shutdown()
+def server(tiny_server) -> str:
+    return tiny_server[0]
 
 
 def test_every_wire_is_passed_on_and_recorded_with_its_usage(server, tmp_path) -> None:

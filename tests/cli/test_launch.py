@@ -15,20 +15,9 @@ from agentd.cli import main
 
 
 @pytest.fixture(scope="module")
-def daemon(tiny_model_factory, serve):
+def daemon(tiny_server):
     """A tiny model served on loopback: (its URL, its engine)."""
-    from agentd.config import EngineConfig
-    from agentd.engine.async_engine import AsyncEngine
-    from agentd.server.app import create_app
-
-    config = EngineConfig(model=str(tiny_model_factory("llama")), kv_cache_memory_bytes=8 * 2**20)
-    engine = AsyncEngine.from_config(config)
-    engine.start()
-    try:
-        with serve(create_app(config, engine=engine)) as url:
-            yield url, engine
-    finally:
-        engine.shutdown()
+    return tiny_server
 
 
 def launch(*args: str, env: dict[str, str] | None = None) -> tuple[int, str]:

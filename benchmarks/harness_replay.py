@@ -48,6 +48,7 @@ class Row:
     index: int
     path: str
     status: int
+    turn: int = 1
     prompt: int = 0
     cached: int = 0
     ttft_s: float = 0.0
@@ -118,15 +119,20 @@ def send(client: httpx.Client, url: str, path: str, body: dict[str, Any],
 
 
 def replay(client: httpx.Client, target: Target, session: Path, cap: int) -> None:
-    records = [r for r in read_records(session)
-               if r["method"] == "POST" and r["path"] in GENERATION and r.get("body")]
+    records, turns, turn = [], [], 0
+    for r in read_records(session):
+        # agentd launch asks GET /v1/models once a turn: the recorded turns start there
+        turn += r["method"] == "GET" and r["path"] == "/v1/models"
+        if r["method"] == "POST" and r["path"] in GENERATION and r.get("body"):
+            records.append(r)
+            turns.append(max(turn, 1))
     for i, record in enumerate(records):
         body = capped(record["body"], record["path"], target.model, cap)
         headers = {k: v for k, v in record.get("headers", {}).items()
                    if k != "content-encoding"}  # the body is sent as plain JSON
         status, ttft, total, events = send(client, target.url, record["path"], body, headers)
         usage = usage_of(events) if status < 400 else None
-        row = Row(session.name.split(".")[0], i + 1, record["path"], status,
+        row = Row(session.name.split(".")[0], i + 1, record["path"], status, turns[i],
                   usage.prompt_tokens if usage else 0, usage.cached_tokens if usage else 0,
                   ttft, total)
         target.rows.append(row)
@@ -203,17 +209,19 @@ def probe(client: httpx.Client, target: Target, sessions: list[Path], tokens: in
 
 
 def summary(target: Target) -> dict[str, Any]:
-    """Per session: turn 2+ (every request after the first) cached fractions, TTFTs."""
+    """Per session: its first prompt's TTFT, and the cached fractions and TTFTs of turn 2 on (a
+    session recorded without turns counts every request after the first)."""
     out = {}
     for name in sorted({r.session for r in target.rows}):
         rows = [r for r in target.rows if r.session == name]
         served = [r for r in rows if r.status < 400 and r.prompt]
-        later = served[1:]
+        multi = any(r.turn > 1 for r in served)
+        later = [r for r in served if r.turn > 1] if multi else served[1:]
         fractions = [r.cached / r.prompt for r in later]
         out[name] = {
             "requests": len(rows), "refused": sum(r.status >= 400 for r in rows),
-            "first_prompt": served[0].prompt if served else 0,
-            "first_ttft_s": served[0].ttft_s if served else 0.0,
+            "first_prompt": max((r.prompt for r in served if r.turn == 1), default=0),
+            "first_ttft_s": max((r.ttft_s for r in served if r.turn == 1), default=0.0),
             "later_min_cached": min(fractions) if fractions else None,
             "later_mean_cached": statistics.mean(fractions) if fractions else None,
             "later_median_ttft_s": statistics.median(r.ttft_s for r in later) if later else None,

@@ -34,7 +34,7 @@ from typing import Any
 
 import httpx
 
-from agentd.bench.record import read_records, usage_of
+from agentd.bench.record import read_records, sse_events, usage_of
 
 GENERATION = ("/v1/messages", "/v1/responses", "/v1/chat/completions")
 SESSIONS = sorted((Path(__file__).parent / "sessions").glob("*.jsonl.gz"))
@@ -104,13 +104,7 @@ def send(client: httpx.Client, url: str, path: str, body: dict[str, Any],
             except ValueError:
                 events = []
             return response.status_code, total, total, events
-        for line in response.iter_lines():
-            if not line.startswith("data:") or line[5:].strip() in ("", "[DONE]"):
-                continue
-            try:
-                event = json.loads(line[5:])
-            except ValueError:
-                continue
+        for event in sse_events(response.iter_lines()):
             if ttft is None and first_delta(event):
                 ttft = time.perf_counter() - start
             events.append(event)

@@ -21,7 +21,7 @@ import gzip
 import json
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,9 +65,9 @@ def decode_body(raw: bytes, encoding: str | None) -> Any:
         return None
 
 
-def sse_events(raw: bytes) -> Iterator[dict[str, Any]]:
-    """The JSON ``data:`` payloads of an event stream."""
-    for line in raw.decode("utf-8", "replace").splitlines():
+def sse_events(lines: Iterable[str]) -> Iterator[dict[str, Any]]:
+    """The JSON ``data:`` payloads of an event stream's lines, as they come."""
+    for line in lines:
         if line.startswith("data:"):
             payload = line[5:].strip()
             if payload and payload != "[DONE]":
@@ -132,7 +132,7 @@ def finish_of(reply: list[dict[str, Any]]) -> str | None:
 
 def reply_events(raw: bytes, content_type: str) -> list[dict[str, Any]]:
     if "event-stream" in content_type:
-        return list(sse_events(raw))
+        return list(sse_events(raw.decode("utf-8", "replace").splitlines()))
     body = decode_body(raw, None)
     return [body] if isinstance(body, dict) else []
 

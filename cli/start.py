@@ -74,10 +74,11 @@ def _option(name: str, **kwargs: Any) -> Any:
 @_option("--max-num-seqs", default=_DEFAULTS["max_num_seqs"], type=int,
          help="Most requests in one running batch.")
 @_option("--long-prefill-chunk", default=_DEFAULTS["long_prefill_chunk"], type=int,
-         help="The most prompt tokens one request runs in a step: while a prompt of tens of "
-              "thousands of tokens prefills, the rest of each step's budget goes to requests "
-              "that arrive meanwhile (a title, a sub-agent's probe), which then wait one step, "
-              "not the whole prefill.")
+         help="The most prompt tokens one request runs in a step, a row deep in a long "
+              "prompt counted with its attention (so a step lasts about as long at 16k tokens "
+              "as at the start). Shortest remaining prompt first: a request that arrives while "
+              "a prompt of tens of thousands of tokens prefills (a title, a sub-agent's probe) "
+              "waits for the step in flight, not the whole prefill.")
 @_option("--max-num-batched-tokens", default=_DEFAULTS["max_num_batched_tokens"], type=int,
          help="Token budget of one engine step (prefill chunks + decodes).")
 @_option("--max-model-len", default=None, type=int,

@@ -117,6 +117,27 @@ class _Sampled(NamedTuple):
     dead_ends: set[str]  # constrained requests whose grammar allowed no token
 
 
+# How much slower a multiply-add of prompt attention runs than one of the linear layers.
+# benchmarks/prefill_steps.py measures it: on the default model (float32, 2 AVX2 cores, chunks
+# of 256) a step's time grows 0.574 s per 1,000 tokens of depth over 1.751 s at the start, a
+# measured attention_context of 3,051 tokens against 3,072 from the shape: 1.0.
+ATTENTION_SLOWDOWN = 1.0
+
+
+def attention_context(dims: Any) -> float:
+    """The context length at which one prompt row's attention costs what its linear layers do:
+    the scheduler counts a row at position p as ``1 + p / attention_context`` of a step's
+    prefill budget. From the model's shape: the linear layers' multiply-adds per row (q, k, v,
+    o and the gated MLP) over attention's per context token (scores and values, every query
+    head), times ``ATTENTION_SLOWDOWN``. SmolLM2-135M: ~3,100 tokens; a 1.7B without GQA:
+    ~16,000."""
+    q_rows = dims.num_heads * dims.head_dim
+    kv_rows = dims.num_kv_heads * dims.head_dim
+    linear = dims.hidden_size * (2 * q_rows + 2 * kv_rows + 3 * dims.intermediate_size)
+    attention = 2 * q_rows * ATTENTION_SLOWDOWN
+    return linear / attention
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None,
                  memory_probe: MemoryProbe = free_memory) -> None:
@@ -158,7 +179,8 @@ class LLMEngine:
         self.retention = RetentionManager(self.kv_cache, self.pins.registry, self.tokenizer)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len,
-                                   config.long_prefill_chunk)
+                                   config.long_prefill_chunk,
+                                   attention_context(loaded.model.dims))
         self.runner = ModelRunner(loaded.model, self.num_blocks, config.block_size,
                                   loaded.device, kv_dtype, backend)
         self.sampler = Sampler(loaded.device)

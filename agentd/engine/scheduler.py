@@ -1,13 +1,19 @@
 """Continuous-batching scheduler: decides which tokens run each step. Pure Python, no tensors.
 
-Policy: first come, first served, running requests before waiting ones. Each step every running
-request gets its next tokens (one when decoding, the rest of its prompt up to the token budget
-when prefilling in chunks); then waiting requests are admitted in order while the token budget
-(``max_num_batched_tokens``), ``max_num_seqs`` and the block pool allow. No request runs more
-than ``long_prefill_chunk`` prompt tokens in a step (vLLM's ``long_prefill_token_threshold``):
-a prompt of tens of thousands of tokens runs in short steps, and a short request that arrives
-meanwhile (a title, a sub-agent's probe) waits for one of them, then runs beside the next one,
-not behind the whole prefill. Admission first asks the
+Policy: running requests before waiting ones, decoding tokens before prompt chunks. Each step
+every decoding request gets its next token; prompt chunks (of running prefills and of the
+waiting requests that could take a seat) then share the token budget (``max_num_batched_tokens``)
+shortest remaining prompt first: the shortest runs as much as it can, the others only a chunk
+that ends their prompt, so a step that gives a short prompt its first token never carries a
+piece of a long one. No request runs more than ``long_prefill_chunk`` prompt tokens in a step
+(vLLM's ``long_prefill_token_threshold``), so a prompt of tens of thousands of tokens runs in
+short steps, and a short request that arrives meanwhile (a title, a sub-agent's probe) waits
+for the step in flight, not the whole prefill. Deep in a long prompt a row costs more than its
+linear layers, its attention reading every token before it: with ``attention_context`` (the
+context length at which a row's attention costs what its linear layers do, from the model's
+shape) a row at position ``p`` counts as ``1 + p / attention_context`` tokens of those limits,
+so a step lasts about as long at 16k tokens as at the start. Waiting requests are admitted in
+order within ``max_num_seqs`` and the block pool. Admission first asks the
 cache manager for the longest cached prefix, so only the uncached tail is prefilled; a kept
 partial last block (a pin's, a stored conversation's) extends that prefix: its slots are copied
 into the request's first new block before the step's forward (a ``SchedulerOutput.kv_copies``
@@ -85,16 +91,23 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, long_prefill_chunk: int | None = None) -> None:
+                 max_model_len: int, long_prefill_chunk: int | None = None,
+                 attention_context: float | None = None) -> None:
         """``max_model_len``: the context every request fits in (its prompt is checked when it
-        is added, and the output processor ends it there); no draft runs past it."""
+        is added, and the output processor ends it there); no draft runs past it.
+        ``attention_context``: see the module's docstring (None: a row costs one token of the
+        budget wherever it is)."""
         self.kv_cache = kv_cache
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # the most prompt tokens one request runs in a step (None: the whole budget)
         self.long_prefill_chunk = long_prefill_chunk or max_num_batched_tokens
         self.max_model_len = max_model_len
+        self.attention_context = attention_context
         self.waiting: deque[Request] = deque()
+        # waiting requests whose admission found no room last step: no share of the next one
+        # (else a long prefill would yield, step after step, to a request that cannot start)
+        self._stalled: set[str] = set()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
@@ -120,11 +133,17 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        computing = self._blocks_being_computed()
+        shares = self._prefill_shares(computing)
+        stalled, self._stalled = self._stalled, set()
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget,
-                          self.long_prefill_chunk)
+            remaining = request.num_tokens - request.num_computed_tokens
+            num_new = min(remaining, budget, shares.get(request.request_id, remaining))
+            if num_new == 0:  # a prefill that yields this step to shorter ones
+                index += 1
+                continue
             # the requests after this one get their next token before its drafts
             drafts = self._fit_drafts(request, num_new,
                                       budget - num_new - (len(self.running) - index - 1))
@@ -133,25 +152,96 @@ class Scheduler:
             out.scheduled.append(self._scheduled(request, num_new, drafts))
             budget -= num_new + len(drafts)
             index += 1
-        computing = self._blocks_being_computed()
         index = 0
         while (index < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs
                and not out.preempted_ids):
             request = self.waiting[index]
-            cached = self.kv_cache.find_cached_prefix(
-                request.all_token_ids, request.cache_salt, max_num_tokens=request.num_tokens - 1,
-                block_hashes=request.block_hashes)  # hashed once, not every step it waits
+            cached = self._cached_prefix(request)
             if self._would_recompute(cached, computing):
                 index += 1  # running prefills are computing its next blocks: wait for the hits
                 continue
-            num_new = self._admit(request, cached, budget, out)
+            share = shares.get(request.request_id, 0)
+            if share == 0 and request.request_id not in stalled:
+                index += 1  # shorter prompts have this step's budget
+                continue
+            num_new = self._admit(request, cached, min(budget, share or budget), out)
             if num_new is None:
+                self._stalled.add(request.request_id)
                 break
             out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
             computing.update(self._uncomputed_blocks(request))
         out.kv_copies = self.kv_cache.take_copies()
         return out
+
+    def _cached_prefix(self, request: Request) -> CachedPrefix:
+        return self.kv_cache.find_cached_prefix(
+            request.all_token_ids, request.cache_salt, max_num_tokens=request.num_tokens - 1,
+            block_hashes=request.block_hashes)  # hashed once, not every step it waits
+
+    def _prefill_shares(self, computing: set[BlockHash]) -> dict[str, int]:
+        """The prompt tokens each prefilling request may run this step: the step's token budget
+        (after the decoding requests' tokens) handed out in ``_row_cost`` units, shortest
+        remaining prompt first, ties in order (running, then waiting), at most
+        ``long_prefill_chunk`` units each; the shortest takes what it can, the others only what
+        finishes their prompt (many short prompts share a step; a long one never lengthens the
+        step that gives a short one its first token). Running prefills and the waiting requests
+        that could take a seat this step are counted; a running request absent from the result
+        is decoding (its next token always runs), a waiting one has no share this step. A
+        request that gets a share but cannot start (no room in the pool) has its share unused
+        for one step, and none the next (``_stalled``)."""
+        candidates: list[tuple[int, int, Request, int]] = []  # remaining, order, request, start
+        num_decoding = 0  # their next tokens come out of the token budget first
+        for order, request in enumerate(self.running):
+            remaining = request.num_tokens - request.num_computed_tokens
+            if remaining > 1:
+                candidates.append((remaining, order, request, request.num_computed_tokens))
+            else:
+                num_decoding += 1
+        shares: dict[str, int] = {}
+        computing = set(computing)  # and what the waiting ones ahead will compute if admitted
+        seats = self.max_num_seqs - len(self.running)
+        for order, request in enumerate(self.waiting, start=len(self.running)):
+            if seats <= 0 or order >= len(self.running) + 4 * self.max_num_seqs:
+                break  # a long queue's tail is not looked up every step
+            if request.request_id in self._stalled:
+                continue
+            cached = self._cached_prefix(request)
+            if self._would_recompute(cached, computing):
+                continue
+            seats -= 1
+            computing.update(request.prompt_block_hashes(self.kv_cache.block_size)[
+                cached.num_tokens // self.kv_cache.block_size:])
+            remaining = request.num_tokens - cached.num_tokens
+            if remaining <= 1:
+                shares[request.request_id] = remaining  # its last token only: as a decode
+            else:
+                candidates.append((remaining, order, request, cached.num_tokens))
+        units = float(self.max_num_batched_tokens - num_decoding)
+        for rank, (remaining, _, request, start) in enumerate(
+                sorted(candidates, key=lambda c: (c[0], c[1]))):
+            fits = int(min(units, self.long_prefill_chunk) / self._row_cost(start))
+            if rank == 0:  # the shortest: as much as the budget holds, a row at least
+                rows = min(remaining, max(fits, 1))
+            else:  # the others: only to finish (a step that ends a short prompt stays short)
+                rows = remaining if remaining <= fits else 0
+            shares[request.request_id] = rows
+            units -= rows * self._row_cost(start)
+        return shares
+
+    def prefill_chunks(self, start: int, end: int) -> list[tuple[int, int]]:
+        """(start, tokens) of each step of a prompt that runs alone from ``start`` to ``end``."""
+        chunks = []
+        budget = min(self.long_prefill_chunk, self.max_num_batched_tokens)
+        while start < end:
+            size = min(end - start, max(int(budget / self._row_cost(start)), 1))
+            chunks.append((start, size))
+            start += size
+        return chunks
+
+    def _row_cost(self, start: int) -> float:
+        """What one prompt row at position ``start`` costs of the step's prefill budget."""
+        return 1.0 + start / self.attention_context if self.attention_context else 1.0
 
     def _would_recompute(self, cached: CachedPrefix, computing: set[BlockHash]) -> bool:
         """Whether the blocks right after ``cached`` that running prefills are computing hold at
@@ -202,7 +292,8 @@ class Scheduler:
 
     def _admit(self, request: Request, cached: CachedPrefix, budget: int,
                out: SchedulerOutput) -> int | None:
-        """Move a waiting request to running; returns its token count or None if no room."""
+        """Move a waiting request to running; returns its token count (at most ``budget``) or
+        None if no room."""
         extension = None
         if cached.block_ids:  # a kept partial block may extend the chain (cache/tails.py)
             # at least the last token is always computed, for its logits

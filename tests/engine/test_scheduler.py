@@ -115,30 +115,34 @@ def prompt(start: int, num_tokens: int) -> list[int]:
 def test_token_budget_and_max_num_seqs_bound_every_step() -> None:
     h = make(budget=10, max_num_seqs=2)
     a = h.add("a", prompt(100, 6), max_tokens=3, next_token=11)
-    b = h.add("b", prompt(200, 6), max_tokens=3, next_token=12)
+    b = h.add("b", prompt(200, 14), max_tokens=3, next_token=12)
     c = h.add("c", prompt(300, 6), max_tokens=1, next_token=13)
 
-    out = h.step()  # a takes 6 of the 10 tokens, b the remaining 4; c waits for a seat
-    assert rows(out) == [("a", 0, 6, True), ("b", 0, 4, False)]
+    out = h.step()  # a takes 6 of the 10 tokens; b's 14 do not end in the 4 left: it waits
+    assert rows(out) == [("a", 0, 6, True)]
     assert out.scheduled[0].token_ids == prompt(100, 6)
-    assert out.scheduled[1].token_ids == prompt(200, 4)
-    assert out.scheduled[0].block_table == [0, 1] and out.scheduled[1].block_table == [2]
+    assert out.scheduled[0].block_table == [0, 1]
+    assert [r.request_id for r in h.scheduler.waiting] == ["b", "c"]
+
+    out = h.step()  # a's next token, then b has the 9 left; c waits for a seat
+    assert rows(out) == [("a", 6, 1, True), ("b", 0, 9, False)]
+    assert out.scheduled[1].token_ids == prompt(200, 9)
+    assert out.scheduled[1].block_table == [2, 3, 4]
     assert [r.request_id for r in h.scheduler.waiting] == ["c"]
 
-    out = h.step()  # budget left after these two is 7, but both seats are taken
-    assert rows(out) == [("a", 6, 1, True), ("b", 4, 2, True)]
-    assert out.scheduled[1].block_table == [2, 3]
+    out = h.step()  # budget left after these two is 4, but both seats are taken
+    assert rows(out) == [("a", 7, 1, True), ("b", 9, 5, True)]
+    assert a.status is RequestStatus.FINISHED_LENGTH and a.output_token_ids == [11, 11, 11]
     assert h.scheduler.num_waiting == 1
 
+    out = h.step()  # a's seat is free: c is admitted beside b's decode
+    assert rows(out) == [("b", 14, 1, True), ("c", 0, 6, True)]
+    assert c.output_token_ids == [13]
     out = h.step()
-    assert rows(out) == [("a", 7, 1, True), ("b", 6, 1, True)]
-    assert a.status is RequestStatus.FINISHED_LENGTH and a.output_token_ids == [11, 11, 11]
-
-    out = h.step()  # a's seat is free: c is admitted beside b's last decode
-    assert rows(out) == [("b", 7, 1, True), ("c", 0, 6, True)]
-    assert b.output_token_ids == [12, 12, 12] and c.output_token_ids == [13]
+    assert rows(out) == [("b", 15, 1, True)]
+    assert b.output_token_ids == [12, 12, 12]
     assert not h.scheduler.has_unfinished()
-    assert h.runner.num_tokens == 6 + 4 + 1 + 2 + 1 + 1 + 1 + 6
+    assert h.runner.num_tokens == 6 + 10 + 6 + 7 + 1
     h.assert_pool_empty()
 
 
@@ -150,10 +154,10 @@ def test_chunked_prefill_splits_a_long_prompt_beside_decode_rows() -> None:
 
     outs = [h.step() for _ in range(5)]
     assert [rows(out) for out in outs] == [
-        [("short", 0, 4, True), ("long", 0, 4, False)],
-        [("short", 4, 1, True), ("long", 4, 7, False)],
-        [("short", 5, 1, True), ("long", 11, 7, False)],
-        [("short", 6, 1, True), ("long", 18, 2, True)],
+        [("short", 0, 4, True)],  # the long one starts when it does not lengthen this step
+        [("short", 4, 1, True), ("long", 0, 7, False)],
+        [("short", 5, 1, True), ("long", 7, 7, False)],
+        [("short", 6, 1, True), ("long", 14, 6, True)],
         [("short", 7, 1, True), ("long", 20, 1, True)],
     ]
     chunks = [s.token_ids for out in outs[:4] for s in out.scheduled if s.request_id == "long"]
@@ -425,20 +429,101 @@ def test_a_waiting_request_is_hashed_once_not_every_step_it_waits(monkeypatch) -
 
 
 def test_a_short_request_is_not_held_behind_a_long_prefill() -> None:
-    """A long prompt runs in chunks of at most ``long_prefill_chunk``, so a short one that
-    arrives meanwhile runs whole in the next step, beside the long one's next chunk (a title
-    request behind a coding agent's first prompt); without the cap the long one took every
-    step's budget and the short one waited for all of it."""
-    for chunk, short_first_step in ((16, 1), (None, 5)):
+    """A step's prompt chunks share one budget (``long_prefill_chunk``, else the token budget),
+    shortest remaining prompt first: a short request that arrives while a long prompt prefills
+    (a title request behind a coding agent's first prompt) runs whole and alone in the next
+    step (a chunk of the long one beside it would only delay its first token), and the long one
+    goes on in the step after, beside the short one's decode."""
+    for chunk in (16, None):
         h = make(num_blocks=128, budget=64, max_model_len=512, long_prefill_chunk=chunk)
         h.add("long", list(range(10, 330)), max_tokens=2)  # 320 prompt tokens
         first = h.step()
-        assert rows(first) == [("long", 0, chunk or 64, False)]
+        size = chunk or 64
+        assert rows(first) == [("long", 0, size, False)]
         h.add("short", list(range(400, 412)), max_tokens=2)  # 12 tokens
-        outs = [h.step() for _ in range(short_first_step)]
-        assert ("short", 0, 12, True) in rows(outs[-1])
-        assert all(r[0] != "short" for out in outs[:-1] for r in rows(out))
-        if chunk:
-            assert rows(outs[-1])[0] == ("long", 16, 16, False)
+        out = h.step()  # the short one alone: the long one's next chunk would not end it
+        assert rows(out) == [("short", 0, 12, True)]
+        out = h.step()  # the short one decodes first; the long one has the rest of the budget
+        assert rows(out) == [("long", size, min(size, 63), False), ("short", 12, 1, True)]
         h.run_to_end()
         h.assert_pool_empty()
+
+
+def test_running_prefills_share_the_budget_shortest_remaining_first() -> None:
+    h = make(num_blocks=128, budget=64, max_model_len=512, long_prefill_chunk=16)
+    h.add("a", prompt(1000, 100), max_tokens=1)
+    h.add("b", prompt(2000, 30), max_tokens=1)
+    out = h.step()  # b has less to go: it runs first, a gets nothing of the 16
+    assert rows(out) == [("b", 0, 16, False)]
+    out = h.step()  # b runs its last 14 and samples; a's 100 do not end in the 2 left
+    assert rows(out) == [("b", 16, 14, True)]
+    out = h.step()
+    assert rows(out) == [("a", 0, 16, False)]
+    h.run_to_end()
+    h.assert_pool_empty()
+
+
+def test_deep_prompt_rows_count_their_attention_against_the_budget() -> None:
+    """With ``attention_context`` C, a row at position p costs 1 + p / C of the budget: chunks
+    shrink as the prompt deepens, so a step deep in a long prompt lasts about as long as one at
+    its start; however deep, a step runs at least one row."""
+    kv_cache = KVCacheManager(256, BLOCK_SIZE)
+    scheduler = ProcessingScheduler(kv_cache, 8, 512, 1024, 32, attention_context=64,
+                                    eos_token_ids=[EOS])
+    h = Harness(scheduler, FakeRunner(), 512, 8)
+    h.add("long", prompt(1000, 1000), max_tokens=1)
+    sizes = []
+    while h.scheduler.running or h.scheduler.waiting:
+        out = h.step()
+        (item,) = out.scheduled
+        sizes.append((item.start_position, len(item.token_ids)))
+        if item.sample:
+            break
+    for start, size in sizes:  # the largest chunk within the budget of 32
+        if start + size < 1000:
+            assert size == max(int(32 / (1 + start / 64)), 1), (start, size)
+    assert sizes[0] == (0, 32) and sizes[1] == (32, 21) and sum(n for _, n in sizes) == 1000
+    h.run_to_end()
+    h.assert_pool_empty()
+
+
+def test_shortest_first_under_pool_pressure_always_progresses() -> None:
+    """A decoding request grows while a long prompt prefills and a short one arrives, in a pool
+    that cannot hold all three: shares go to requests that then cannot start, requests are
+    preempted and come back. A request handed the budget that could not start gets no share
+    the next step (``_stalled``), so the others run: no step is empty but the one where that
+    is found, and all three finish."""
+    h = make(num_blocks=38, budget=64, max_model_len=260, long_prefill_chunk=16)
+    hog = h.add("hog", prompt(5000, 8), max_tokens=30)
+    long = h.add("long", prompt(1000, 150), max_tokens=1)
+    for _ in range(7):
+        h.step()
+    short = h.add("short", prompt(2000, 40), max_tokens=1)
+    outs = []
+    while h.scheduler.has_unfinished() and len(outs) < 60:
+        outs.append(h.step())
+    assert not h.scheduler.has_unfinished(), [rows(out) for out in outs]
+    empty = [i for i, out in enumerate(outs) if not out.scheduled]
+    assert all(outs[i + 1].scheduled for i in empty)  # never two empty steps in a row
+    assert len(empty) <= 3
+    assert h.scheduler.stats.num_preemptions >= 1  # the pool really could not hold them
+    assert len(hog.output_token_ids) == 30 and len(long.output_token_ids) == 1
+    assert len(short.output_token_ids) == 1
+    h.assert_pool_empty()
+
+
+def test_prefill_chunks_are_the_steps_a_prompt_alone_runs_in() -> None:
+    kv_cache = KVCacheManager(256, BLOCK_SIZE)
+    scheduler = ProcessingScheduler(kv_cache, 8, 512, 1024, 32, attention_context=64,
+                                    eos_token_ids=[EOS])
+    h = Harness(scheduler, FakeRunner(), 512, 8)
+    h.add("long", prompt(1000, 700), max_tokens=1)
+    steps = 0
+    while h.scheduler.has_unfinished():
+        h.step()
+        steps += 1
+    chunks = scheduler.prefill_chunks(0, 700)
+    assert steps == len(chunks) > 700 // 32
+    assert chunks[:2] == [(0, 32), (32, 21)] and sum(n for _, n in chunks) == 700
+    assert scheduler.prefill_chunks(0, 32) == [(0, 32)]
+    assert scheduler.prefill_chunks(0, 33) == [(0, 32), (32, 1)]

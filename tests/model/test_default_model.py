@@ -157,8 +157,7 @@ def test_prompt_lookup_drafts_leave_greedy_output_unchanged(llm: LLM, hf_model) 
     num_tokens = sum(len(out.token_ids) for out in alone)
     assert accepted >= num_tokens // 4
     # one step a token the drafts did not supply, and the prompt's chunks before its last
-    chunk = engine.config.long_prefill_chunk
-    prefill_steps = sum(-(-(len(p) - out.num_cached_tokens) // chunk) - 1
+    prefill_steps = sum(len(engine.scheduler.prefill_chunks(out.num_cached_tokens, len(p))) - 1
                         for p, out in zip(prompts, alone, strict=True))
     assert (after.totals.num_steps - before.totals.num_steps
             <= num_tokens - accepted + prefill_steps)

@@ -14,8 +14,11 @@ Requests on a wire the target does not serve (a 404) are counted, not failed.
 
 The probe: a short request (opencode's title request, ~600 tokens) alone, then again while a
 long prompt (``--probe-tokens``, opencode's main request padded with Claude Code's tool schemas)
-prefills; each gets a fresh first line, so nothing of either is cached. Its TTFT during the
-prefill over its TTFT alone is the figure the scheduler is judged by (within 2x).
+prefills, sent one after another (``--probe-gap`` seconds apart) from 2 s into the prefill to
+its end, so the long prompt is shallow for the first and deep for the last; each gets a fresh
+first line, so nothing of either is cached. Their TTFT during the prefill over the TTFT alone (median and
+worst) is the figure the scheduler is judged by (within 2x). ``--no-replay`` runs the probe
+only.
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ import argparse
 import copy
 import json
 import statistics
-import subprocess
 import threading
 import time
 import uuid
@@ -34,6 +36,7 @@ from typing import Any
 
 import httpx
 
+from agentd.bench.machine import cpu_line
 from agentd.bench.record import read_records, sse_events, usage_of
 
 GENERATION = ("/v1/messages", "/v1/responses", "/v1/chat/completions")
@@ -165,7 +168,8 @@ def fresh(body: dict[str, Any], model: str, cap: int) -> dict[str, Any]:
     return body
 
 
-def probe(client: httpx.Client, target: Target, sessions: list[Path], tokens: int) -> None:
+def probe(client: httpx.Client, target: Target, sessions: list[Path], tokens: int,
+          gap: float) -> None:
     short, long = probe_bodies(sessions, tokens)
     path = "/v1/chat/completions"
     alone = []
@@ -176,6 +180,7 @@ def probe(client: httpx.Client, target: Target, sessions: list[Path], tokens: in
             return
         alone.append(ttft)
     short_usage = usage_of(events)
+    print(f"    short request alone: TTFT {', '.join(f'{t:.2f}' for t in alone)} s", flush=True)
     result: dict[str, Any] = {}
 
     def run_long() -> None:
@@ -187,18 +192,30 @@ def probe(client: httpx.Client, target: Target, sessions: list[Path], tokens: in
     started = time.perf_counter()
     thread.start()
     time.sleep(2.0)  # the long prompt is admitted and prefilling
-    _, during, _, _ = send(client, target.url, path, fresh(short, target.model, 1), {})
+    during: list[tuple[float, float]] = []  # (sent at, TTFT): one after another, at every depth
+    while thread.is_alive():
+        sent = time.perf_counter() - started
+        _, ttft, _, _ = send(client, target.url, path, fresh(short, target.model, 1), {})
+        if thread.is_alive():  # answered while the long one still prefilled
+            during.append((sent, ttft))
+            print(f"    short request sent {sent:6.1f} s into the long prefill: TTFT "
+                  f"{ttft:.2f} s", flush=True)
+        time.sleep(gap)
     thread.join()
+    solo = statistics.median(alone)
+    ttfts = [t for _, t in during] or [0.0]
     target.probe = {"short_prompt": short_usage.prompt_tokens if short_usage else 0,
                     "long_prompt": result.get("prompt", 0),
-                    "solo_ttft_s": statistics.median(alone), "during_ttft_s": during,
+                    "solo_ttft_s": solo, "during_ttft_s": statistics.median(ttfts),
+                    "during_max_s": max(ttfts), "during_n": len(during),
                     "long_ttft_s": result.get("ttft", 0.0),
-                    "ratio": during / statistics.median(alone),
+                    "ratio": statistics.median(ttfts) / solo, "ratio_max": max(ttfts) / solo,
                     "long_wall_s": time.perf_counter() - started}
     p = target.probe
     print(f"  {target.name}: short request ({p['short_prompt']} tokens) TTFT alone "
-          f"{p['solo_ttft_s']:.2f} s, during a {p['long_prompt']}-token prefill "
-          f"{p['during_ttft_s']:.2f} s = {p['ratio']:.2f}x (the long prompt's TTFT "
+          f"{p['solo_ttft_s']:.2f} s; during a {p['long_prompt']}-token prefill ({p['during_n']} "
+          f"sent) median {p['during_ttft_s']:.2f} s = {p['ratio']:.2f}x, max "
+          f"{p['during_max_s']:.2f} s = {p['ratio_max']:.2f}x (the long prompt's TTFT "
           f"{p['long_ttft_s']:.1f} s)", flush=True)
 
 
@@ -223,16 +240,6 @@ def summary(target: Target) -> dict[str, Any]:
     return out
 
 
-def machine() -> str:
-    import torch
-
-    flags = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    line = next((x for x in flags.splitlines() if x.startswith("Flags:")), "Flags: ?")
-    wanted = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile")
-    return (f"lscpu flags of interest: {' '.join(f for f in wanted if f' {f}' in line)}; "
-            f"torch capability {torch.backends.cpu.get_cpu_capability()}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", action="append", required=True, metavar="NAME=URL")
@@ -240,18 +247,21 @@ def main() -> None:
     parser.add_argument("--max-output-tokens", type=int, default=32)
     parser.add_argument("--probe-tokens", type=int, default=16000)
     parser.add_argument("--no-probe", action="store_true")
+    parser.add_argument("--no-replay", action="store_true", help="the probe only")
+    parser.add_argument("--probe-gap", type=float, default=10.0,
+                        help="seconds between the probe's short requests")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    print(machine())
+    print(cpu_line())
     targets = [Target(*spec.split("=", 1)) for spec in args.target]
     with httpx.Client(timeout=httpx.Timeout(3600.0, connect=10.0)) as client:
         for target in targets:
             target.model = served_model(client, target.url)
             print(f"{target.name}: {target.url}, model {target.model}")
-            for session in args.sessions:
+            for session in [] if args.no_replay else args.sessions:
                 replay(client, target, session, args.max_output_tokens)
             if not args.no_probe:
-                probe(client, target, args.sessions, args.probe_tokens)
+                probe(client, target, args.sessions, args.probe_tokens, args.probe_gap)
     report = {t.name: {"url": t.url, "model": t.model, "sessions": summary(t), "probe": t.probe,
                        "rows": [r.__dict__ for r in t.rows]} for t in targets}
     print()
@@ -266,7 +276,8 @@ def main() -> None:
                   f"{s['later_median_ttft_s'] or 0:>10.2f}s")
         if target.probe:
             print(f"{target.name:>8} probe: short TTFT during a {target.probe['long_prompt']}-"
-                  f"token prefill / alone = {target.probe['ratio']:.2f}x")
+                  f"token prefill / alone = {target.probe['ratio']:.2f}x median, "
+                  f"{target.probe['ratio_max']:.2f}x max")
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
 

@@ -16,9 +16,9 @@ The probe: a short request (opencode's title request, ~600 tokens) alone, then a
 long prompt (``--probe-tokens``, opencode's main request padded with Claude Code's tool schemas)
 prefills, sent one after another (``--probe-gap`` seconds apart) from 2 s into the prefill to
 its end, so the long prompt is shallow for the first and deep for the last; each gets a fresh
-first line, so nothing of either is cached. Their TTFT during the prefill over the TTFT alone (median and
-worst) is the figure the scheduler is judged by (within 2x). ``--no-replay`` runs the probe
-only.
+first line, so nothing of either is cached. Their TTFT during the prefill over the TTFT alone
+(median and worst) is the figure the scheduler is judged by (within 2x). ``--no-replay`` runs
+the probe only.
 """
 
 from __future__ import annotations

@@ -12,8 +12,11 @@ for the step in flight, not the whole prefill. Deep in a long prompt a row costs
 linear layers, its attention reading every token before it: with ``attention_context`` (the
 context length at which a row's attention costs what its linear layers do, from the model's
 shape) a row at position ``p`` counts as ``1 + p / attention_context`` tokens of those limits,
-so a step lasts about as long at 16k tokens as at the start. Waiting requests are admitted in
-order within ``max_num_seqs`` and the block pool. Admission first asks the
+so a step lasts about as long at 16k tokens as at the start. Shortest first holds while the pool
+has room: after a step that preempted a request or could not admit one, chunks go in admission
+order for ``PRESSURE_STEPS`` steps (the requests that hold the pool finish and free it; a newer,
+shorter one that cannot grow would otherwise take the budget step after step). Waiting
+requests are admitted in order within ``max_num_seqs`` and the block pool. Admission first asks the
 cache manager for the longest cached prefix, so only the uncached tail is prefilled; a kept
 partial last block (a pin's, a stored conversation's) extends that prefix: its slots are copied
 into the request's first new block before the step's forward (a ``SchedulerOutput.kv_copies``
@@ -53,6 +56,10 @@ from agentd.engine.request import Request, RequestStatus, check_prompt
 # and 4.2 s). Below it, recomputing is cheaper than waiting a step: the shared prompt's last
 # partial chunk, say.
 WAIT_FOR_TOKENS = 256
+
+# Steps the scheduler hands prompt chunks out in admission order after a step that preempted a
+# request or found no room to admit one (see Scheduler._pressure_steps).
+PRESSURE_STEPS = 8
 
 
 @dataclass(frozen=True)
@@ -108,6 +115,10 @@ class Scheduler:
         # waiting requests whose admission found no room last step: no share of the next one
         # (else a long prefill would yield, step after step, to a request that cannot start)
         self._stalled: set[str] = set()
+        # steps left in admission order: after a preemption or an admission without room, the
+        # requests that hold the pool go first, so they finish and free it (shortest first
+        # would hand the budget to a newer, shorter one that cannot grow, step after step)
+        self._pressure_steps = 0
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stats = SchedulerStats()
@@ -165,12 +176,19 @@ class Scheduler:
                 index += 1  # shorter prompts have this step's budget
                 continue
             num_new = self._admit(request, cached, min(budget, share or budget), out)
-            if num_new is None:
+            if num_new is None:  # no room: the ones behind it may fit (they may hold the shares)
+                if request.status.finished:
+                    continue  # it never can: finished, out of the queue
                 self._stalled.add(request.request_id)
-                break
+                index += 1
+                continue
             out.scheduled.append(self._scheduled(request, num_new))
             budget -= num_new
             computing.update(self._uncomputed_blocks(request))
+        if out.preempted_ids or self._stalled:
+            self._pressure_steps = PRESSURE_STEPS
+        elif self._pressure_steps:
+            self._pressure_steps -= 1
         out.kv_copies = self.kv_cache.take_copies()
         return out
 
@@ -218,11 +236,12 @@ class Scheduler:
             else:
                 candidates.append((remaining, order, request, cached.num_tokens))
         units = float(self.max_num_batched_tokens - num_decoding)
+        pressed = self._pressure_steps > 0  # admission order, each as much as fits
         for rank, (remaining, _, request, start) in enumerate(
-                sorted(candidates, key=lambda c: (c[0], c[1]))):
+                sorted(candidates, key=lambda c: (c[1],) if pressed else (c[0], c[1]))):
             fits = int(min(units, self.long_prefill_chunk) / self._row_cost(start))
-            if rank == 0:  # the shortest: as much as the budget holds, a row at least
-                rows = min(remaining, max(fits, 1))
+            if rank == 0 or pressed:  # as much as the budget holds, the first a row at least
+                rows = min(remaining, max(fits, rank == 0))
             else:  # the others: only to finish (a step that ends a short prompt stays short)
                 rows = remaining if remaining <= fits else 0
             shares[request.request_id] = rows

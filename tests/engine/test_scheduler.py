@@ -7,6 +7,7 @@ pool's integrity, so each test also holds those invariants at every step.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, field
 
 import pytest
@@ -527,3 +528,34 @@ def test_prefill_chunks_are_the_steps_a_prompt_alone_runs_in() -> None:
     assert chunks[:2] == [(0, 32), (32, 21)] and sum(n for _, n in chunks) == 700
     assert scheduler.prefill_chunks(0, 32) == [(0, 32)]
     assert scheduler.prefill_chunks(0, 33) == [(0, 32), (32, 1)]
+
+
+@pytest.mark.parametrize(("num_blocks", "budget", "chunk", "attention_context"), [
+    (48, 64, None, None), (48, 64, 16, 64), (30, 32, 16, 100), (20, 64, None, 50)])
+def test_random_arrivals_in_a_small_pool_always_finish(num_blocks, budget, chunk,
+                                                       attention_context) -> None:
+    """Fifteen requests of random lengths (some sharing a prefix) arrive over the first 60
+    steps into a pool that holds a few of them. Shortest first alone livelocked here: shorter
+    newcomers took the budget, could not grow, preempted themselves, while the older prefills
+    that held the pool never ran (and a failed admission stopped the ones behind it, which held
+    the step's share). Every run must end, with no run of empty steps."""
+    for seed in range(60):
+        rng = random.Random(seed)
+        kv_cache = KVCacheManager(num_blocks, BLOCK_SIZE)
+        scheduler = ProcessingScheduler(kv_cache, 8, budget, 200, chunk,
+                                        attention_context=attention_context, eos_token_ids=[EOS])
+        h = Harness(scheduler, FakeRunner(), budget, 8)
+        arrivals = sorted((rng.randrange(60), i, rng.randrange(2, 120), rng.randrange(1, 20))
+                          for i in range(15))
+        shared = prompt(7000, 60)
+        step = empty = 0
+        while arrivals or h.scheduler.has_unfinished():
+            while arrivals and arrivals[0][0] <= step:
+                _, i, length, max_tokens = arrivals.pop(0)
+                tokens = shared[:rng.randrange(60)] + prompt(10000 + 1000 * i, length)
+                h.add(f"r{i}", tokens[:190], max_tokens=max_tokens)
+            out = h.step()
+            step += 1
+            empty = empty + 1 if not out.scheduled and h.scheduler.has_unfinished() else 0
+            assert empty <= 2 and step < 3000, (seed, step)
+        h.assert_pool_empty()

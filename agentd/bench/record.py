@@ -125,7 +125,9 @@ def finish_of(reply: list[dict[str, Any]]) -> str | None:
         for choice in event.get("choices") or []:
             finish = choice.get("finish_reason") or finish
         message = event.get("message", event) if event.get("type") == "message_start" else event
-        stop = (event.get("delta") or {}).get("stop_reason") or message.get("stop_reason")
+        delta = event.get("delta")  # a Messages delta's fields, or a Responses delta's text
+        stop = (delta.get("stop_reason") if isinstance(delta, dict) else None) \
+            or message.get("stop_reason")
         finish = stop or finish
     return finish
 

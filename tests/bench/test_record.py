@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from agentd.bench.record import read_records, recording
+from agentd.bench.record import finish_of, read_records, recording
 
 
 @pytest.fixture(scope="module")
@@ -67,3 +67,20 @@ def test_a_gzipped_recording_reads_back(tmp_path) -> None:
     with gzip.open(path, "wt") as f:
         f.write(json.dumps({"path": "/v1/chat/completions"}) + "\n\n")
     assert read_records(path) == [{"path": "/v1/chat/completions"}]
+
+
+def test_finish_of_reads_every_wire_with_its_text_deltas() -> None:
+    """A Responses stream's text deltas are strings, a Messages stream's are objects: a reply cut
+    at its cap reads as cut on each (Codex's capped replies were recorded with no finish)."""
+    responses = [{"type": "response.output_text.delta", "delta": "Hel"},
+                 {"type": "response.incomplete", "response": {
+                     "status": "incomplete",
+                     "incomplete_details": {"reason": "max_output_tokens"}}}]
+    assert finish_of(responses) == "incomplete:max_output_tokens"
+    messages = [{"type": "message_start", "message": {"stop_reason": None}},
+                {"type": "content_block_delta", "delta": {"type": "text_delta", "text": "Hi"}},
+                {"type": "message_delta", "delta": {"stop_reason": "max_tokens"}}]
+    assert finish_of(messages) == "max_tokens"
+    chat = [{"choices": [{"delta": {"content": "Hi"}, "finish_reason": None}]},
+            {"choices": [{"delta": {}, "finish_reason": "length"}]}]
+    assert finish_of(chat) == "length"

@@ -21,12 +21,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import subprocess
 import time
 from dataclasses import dataclass
 
 import torch
 
+from agentd.bench.machine import cpu_line
 from agentd.bench.workload import (
     PACKAGED,
     Namespace,
@@ -42,9 +42,6 @@ from agentd.engine.request import EngineRequest
 from agentd.engine.sampling_params import SamplingParams
 from agentd.model.build import load_model
 
-ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16",
-             "amx_int8", "amx_tile")
-
 
 @dataclass
 class Timing:
@@ -58,21 +55,6 @@ class Timing:
     def add(self, other: Timing) -> None:
         for f in dataclasses.fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
-
-
-def cpu_line() -> str:
-    try:
-        flags = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    except OSError:
-        flags = ""
-    model = next((ln.split(":", 1)[1].strip() for ln in flags.splitlines()
-                  if ln.startswith("Model name")), "?")
-    have = next((ln.split(":", 1)[1].split() for ln in flags.splitlines()
-                 if ln.startswith("Flags")), [])
-    isa = " ".join(f for f in ISA_FLAGS if f in have)
-    return (f"CPU: {model}; lscpu flags: {isa or 'none of ' + ', '.join(ISA_FLAGS)}; torch "
-            f"{torch.__version__}, capability {torch.backends.cpu.get_cpu_capability()}, "
-            f"{torch.get_num_threads()} threads")
 
 
 def default_threads() -> int:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import subprocess
 
-ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16")
+ISA_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16", "amx_bf16",
+             "amx_int8", "amx_tile")
 
 
 def cpu_line() -> str:

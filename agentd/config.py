@@ -99,7 +99,8 @@ class EngineConfig:
     device: str = "auto"
     dtype: str = "auto"  # activations and attention (and by default the weights; KV: auto)
     weights: str | None = None  # linear layers' format; None: a .gguf's own blocks ("gguf") on
-    # the CPU with float32 activations, else the same as dtype (agentd.model.build.serves_gguf)
+    # the CPU with float32 activations (the default model's too), else the same as dtype
+    # (agentd.model.build.serves_gguf)
     prefill_weights: str = "keep"  # low-precision weights' big products: "keep" a dense twin, or
     # "dequantize" per call (no second copy; slower prefill)
     block_size: int = 16

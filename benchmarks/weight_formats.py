@@ -7,7 +7,8 @@ AVX2 path on a newer CPU with ``ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
 
     python -m benchmarks.weight_formats [--formats float32,int4,int4:dequantize,...] [--json F]
 
-A format may carry ``:dequantize`` (``--prefill-weights dequantize``: no dense fp32 twin).
+``gguf``: the file as it ships (the default model's default). A format may carry
+``:dequantize`` (``--prefill-weights dequantize``: no dense fp32 twin).
 ``--ab`` loads every format in one process and alternates their decode runs, round after round
 (medians): on a shared machine whose speed drifts between runs, only that gives fair ratios.
 """
@@ -21,7 +22,7 @@ import subprocess
 import sys
 import time
 
-FORMATS = ("float32", "bfloat16", "float16", "int8", "int4", "int4:dequantize", "auto")
+FORMATS = ("gguf", "float32", "bfloat16", "float16", "int8", "int4", "int4:dequantize", "auto")
 BATCHES = (1, 8, 32)
 
 

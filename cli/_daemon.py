@@ -20,7 +20,7 @@ import httpx
 
 from agentd.cli._state import StatePaths
 
-READY_TIMEOUT_S = 900.0  # a first run converts the default model (~40 s); a hub download more
+READY_TIMEOUT_S = 900.0  # a first run builds the kernels and tokenizer cache; a hub download more
 _POLL_S = 0.2
 _LOG_TAIL_LINES = 20
 

@@ -102,11 +102,12 @@ def _option(name: str, **kwargs: Any) -> Any:
          type=click.Choice(["gguf", "auto", "float32", "bfloat16", "float16", "int8", "int4"]),
          help="How linear layers store their weights, apart from --dtype (CPU). gguf: a .gguf's "
               "own blocks, memory-mapped, through agentd's CPU kernels (no fp32 copy; the "
-              "default for a .gguf passed with --model; on the default model it serves its Q4_1 "
-              "file as shipped). int4: a GGUF's 4-bit groups as they are; auto: the fastest "
-              "format here that passed the accuracy bar (docs/weights.md, Weight formats). "
-              "--weights float32 --dtype float32 is the exact mode. [default: gguf for a .gguf "
-              "file on the CPU, else the same as --dtype]")
+              "default for the default model, a Q4_1 file, and for a .gguf passed with "
+              "--model). float32: the weights converted to fp32 once; with --dtype auto or "
+              "float32 the exact mode (same tokens as transformers, decode ~4x slower on an "
+              "AVX2 CPU). int4: a GGUF's 4-bit groups as they are; auto: the fastest format "
+              "here that passed the accuracy bar (docs/weights.md, Weight formats). [default: "
+              "gguf for a GGUF on the CPU, else the same as --dtype]")
 @_option("--prefill-weights", default=_DEFAULTS["prefill_weights"],
          type=click.Choice(["keep", "dequantize"]),
          help="With low-precision --weights, how prefill chunks and other big steps multiply: "

@@ -380,6 +380,17 @@ def default_daemon(tmp_path_factory) -> Iterator[DaemonProcess]:
         yield daemon
 
 
+@pytest.fixture(scope="session")
+def exact_daemon(tmp_path_factory) -> Iterator[DaemonProcess]:
+    """The default model in the exact mode (``--weights float32``), for the tests that hold
+    outputs to be the same alone, batched and on a cached prefix: the default mode serves the
+    Q4_1 file through int8 products, whose rounding turns the last-bit differences of another
+    batch or attention split into different greedy tokens where two are close."""
+    with DaemonProcess(tmp_path_factory.mktemp("exact-daemon") / "state",
+                       "--log-level", "warning", "--weights", "float32") as daemon:
+        yield daemon
+
+
 CAPPED_ADDRESS_SPACE_BYTES = 3 * 2**30  # a tiny model's engine peaks near 1.2 GiB of it
 CAPPED_TIMEOUT_S = 600  # a hang guard only: the children here take seconds
 

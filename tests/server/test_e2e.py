@@ -1,7 +1,7 @@
 """End to end: a real ``agentd start`` process with the default model on a free loopback port,
 driven by the real ``openai`` SDK — sync, async and streaming chat, a tool-call round trip,
-16 concurrent streams equal to the same requests run alone, prefix-cache hits reported in
-``usage``, and Prometheus counters that move."""
+16 concurrent streams equal to the same requests run alone (on the exact mode, which promises
+it), prefix-cache hits reported in ``usage``, and Prometheus counters that move."""
 
 from __future__ import annotations
 
@@ -34,6 +34,18 @@ def client(daemon: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{daemon}/v1", api_key="unused", max_retries=0)
 
 
+@pytest.fixture(scope="module")
+def exact_url(exact_daemon) -> str:
+    """The default model in the exact mode: the tests that hold a request's tokens to be the
+    same streamed or whole, alone or among 15 others, on a cached prefix or not."""
+    return exact_daemon.url
+
+
+@pytest.fixture(scope="module")
+def exact_client(exact_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{exact_url}/v1", api_key="unused", max_retries=0)
+
+
 def ask(text: str) -> list[dict[str, str]]:
     return [{"role": "user", "content": text}]
 
@@ -58,10 +70,10 @@ def test_async_chat(daemon: str) -> None:
     assert asyncio.run(run())
 
 
-def test_streaming_chat_equals_non_streaming(client: openai.OpenAI) -> None:
+def test_streaming_chat_equals_non_streaming(exact_client: openai.OpenAI) -> None:
     request = dict(model=MODEL, messages=ask("Count to five."), temperature=0, max_tokens=16)
-    whole = client.chat.completions.create(**request)
-    chunks = list(client.chat.completions.create(
+    whole = exact_client.chat.completions.create(**request)
+    chunks = list(exact_client.chat.completions.create(
         **request, stream=True, stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -94,11 +106,12 @@ def test_tool_call_round_trip(client: openai.OpenAI) -> None:
     assert second.usage.prompt_tokens > first.usage.prompt_tokens
 
 
-def test_sixteen_concurrent_streams_equal_solo_runs(client: openai.OpenAI, daemon: str) -> None:
+def test_sixteen_concurrent_streams_equal_solo_runs(exact_client: openai.OpenAI,
+                                                    exact_url: str) -> None:
     prompts = [f"Write one sentence about the number {i}." for i in range(16)]
     request = dict(model=MODEL, temperature=0, max_tokens=12)
-    solo = [client.chat.completions.create(messages=ask(p), **request).choices[0].message.content
-            for p in prompts]
+    solo = [exact_client.chat.completions.create(messages=ask(p), **request)
+            .choices[0].message.content for p in prompts]
 
     async def stream_one(aclient: openai.AsyncOpenAI, prompt: str) -> str:
         stream = await aclient.chat.completions.create(messages=ask(prompt), stream=True,
@@ -106,7 +119,7 @@ def test_sixteen_concurrent_streams_equal_solo_runs(client: openai.OpenAI, daemo
         return "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
 
     async def run_all() -> list[str]:
-        async with openai.AsyncOpenAI(base_url=f"{daemon}/v1", api_key="unused") as aclient:
+        async with openai.AsyncOpenAI(base_url=f"{exact_url}/v1", api_key="unused") as aclient:
             return await asyncio.gather(*(stream_one(aclient, p) for p in prompts))
 
     assert asyncio.run(run_all()) == solo
@@ -159,7 +172,8 @@ def test_completions_and_errors_through_the_sdk(client: openai.OpenAI) -> None:
     assert other.headers["x-agentd-ignored"] == "model" and other.parse().choices
 
 
-def test_prompt_lookup_streams_what_it_returns_whole(client: openai.OpenAI, daemon: str) -> None:
+def test_prompt_lookup_streams_what_it_returns_whole(exact_client: openai.OpenAI,
+                                                     exact_url: str) -> None:
     """A code-editing request, whose reply copies the function it quotes: the daemon (default
     ``--speculative ngram``) accepts drafts, several tokens a step, and the streamed reply with
     a stop string is the whole reply cut before the stop, as without speculation."""
@@ -168,15 +182,15 @@ def test_prompt_lookup_streams_what_it_returns_whole(client: openai.OpenAI, daem
     messages = [{"role": "system", "content": workload["system"]},
                 {"role": "user", "content": workload["turns"][9]}]
     request = dict(model=MODEL, messages=messages, temperature=0, max_tokens=48)
-    before = _counters(daemon)
-    whole = client.chat.completions.create(**request).choices[0].message.content or ""
-    after = _counters(daemon)
+    before = _counters(exact_url)
+    whole = exact_client.chat.completions.create(**request).choices[0].message.content or ""
+    after = _counters(exact_url)
     assert after["vllm:spec_decode_num_accepted_tokens_total"] > \
         before["vllm:spec_decode_num_accepted_tokens_total"] + 8
     index = next(i for i in range(len(whole) // 2, len(whole) - 6)
                  if whole.find(whole[i:i + 6]) == i)
     stop = whole[index:index + 6]
-    chunks = list(client.chat.completions.create(**request, stream=True, stop=[stop]))
+    chunks = list(exact_client.chat.completions.create(**request, stream=True, stop=[stop]))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole[:index]
     assert [c.choices[0].finish_reason for c in chunks if c.choices and

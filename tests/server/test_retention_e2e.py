@@ -14,8 +14,9 @@ import pytest
 pytestmark = pytest.mark.slow
 
 MODEL = "SmolLM2-135M-Instruct"
-# 96 MiB of the default model's KV: 136 blocks of 16 tokens; 68 of them for pins and retention
-POOL = "96MiB"
+# 48 MiB of the default model's fp16 KV: 136 blocks of 16 tokens; 68 of them for pins and
+# retention
+POOL = "48MiB"
 
 
 @pytest.fixture(scope="module")

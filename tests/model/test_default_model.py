@@ -135,10 +135,16 @@ CODE_EDIT_TURNS = (0, 9)
 NUM_CODE_EDIT_TOKENS = 40
 
 
+@pytest.mark.full
 def test_prompt_lookup_drafts_leave_greedy_output_unchanged(llm: LLM, hf_model) -> None:
     """The n-gram proposer drafts from the quoted function and most drafts are accepted; the
     tokens are transformers' greedy tokens, alone and batched (the second request hits the
-    first's cached prefix), and the same engine's without speculation."""
+    first's cached prefix), and the same engine's without speculation.
+
+    In ``-m full`` (about 60 s of one CI thread, fp32 decode): CI holds drafts to leave greedy
+    tokens unchanged on tiny models of every architecture (tests/engine/test_spec_engine.py)
+    and the default model to accept them and stream what it returns whole (tests/server/
+    test_e2e.py)."""
     engine = llm.engine
     prompts = code_edit_prompts(llm.tokenizer)
     params = SamplingParams(temperature=0.0, max_tokens=NUM_CODE_EDIT_TOKENS)

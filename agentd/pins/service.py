@@ -148,9 +148,11 @@ class PinService:
 
     async def list(self, owner: str | None = None, everyone: bool = False
                    ) -> list[dict[str, Any]]:
-        """``owner``'s pins, or with ``everyone`` every tenant's."""
-        await self.sync_expired()
+        """``owner``'s pins, or with ``everyone`` every tenant's. Listed first, then synced: a
+        pin whose TTL lapses on the engine between the two is missing from the list only once
+        the registry (and ``last_persist_error``) has caught up with it."""
         pins = await self.engine.list_pins()
+        await self.sync_expired()
         return [self.describe(p) for p in pins if everyone or p.owner == owner]
 
     async def get(self, key: PinKey | str) -> dict[str, Any]:

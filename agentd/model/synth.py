@@ -32,7 +32,8 @@ from agentd.model.default_model import default_gguf_path
 VT = gguf.GGUFValueType
 QT = gguf.GGMLQuantizationType
 FILE_TYPES = {"Q4_K_M": gguf.LlamaFileType.MOSTLY_Q4_K_M, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
-              "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "F16": gguf.LlamaFileType.MOSTLY_F16}
+              "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "Q4_1": gguf.LlamaFileType.MOSTLY_Q4_1,
+              "F16": gguf.LlamaFileType.MOSTLY_F16}
 _TARGET_STD = 0.02
 _CHUNK_BLOCKS = 1 << 17  # blocks generated per step: bounds the temporaries (~30 MB)
 
@@ -150,6 +151,9 @@ def _random_blocks(rng: np.random.Generator, qtype: QT, n: int) -> np.ndarray:
         blocks[:, 0:2] = _fp16_bytes(_block_scale(rng, n, 73.9))
     elif qtype == QT.Q4_0:
         blocks[:, 0:2] = _fp16_bytes(_block_scale(rng, n, 4.61))
+    elif qtype == QT.Q4_1:  # w = d*q + m; m = -7.5*d centres the nibbles on zero
+        d = _block_scale(rng, n, 4.61)
+        blocks[:, 0:2], blocks[:, 2:4] = _fp16_bytes(d), _fp16_bytes(-7.5 * d)
     elif qtype == QT.Q4_K:
         # w = d*sc*q - dmin*m; m = sc and dmin = 7.5*d centre each sub-block on zero.
         sc = rng.integers(16, 64, (n, 8), dtype=np.uint8)

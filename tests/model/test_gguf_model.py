@@ -269,11 +269,13 @@ def test_conversion_gives_back_the_transformers_weights(arch: str, tiny_model_fa
 
 
 @pytest.mark.parametrize(("type_name", "isa"), [("Q4_K_M", None), ("Q4_K_M", "torch"),
-                                                ("Q8_0", None), ("Q4_0", None), ("F16", None)])
+                                                ("Q8_0", None), ("Q4_0", None), ("Q4_1", None),
+                                                ("Q4_1", "torch"), ("F16", None)])
 def test_conversion_equals_transformers_dequantization(type_name: str, isa: str | None,
                                                        tmp_path: Path) -> None:
-    # Q4_K and Q6_K (Q4_K_M's mix), Q8_0, Q4_0 and F16 blocks, on the native kernels and on the
-    # torch path of a machine without a compiler; the default model's Q4_1 is test_loader's
+    # Q4_K and Q6_K (Q4_K_M's mix), Q8_0, Q4_0, Q4_1 (the default model's) and F16 blocks, on
+    # the native kernels and on the torch path of a machine without a compiler; the default
+    # model's own file is test_loader's (-m full: transformers reads it in ~50 s)
     path = tmp_path / f"tiny-{type_name}.gguf"
     write_synth_gguf(path, "tiny", type_name, tokenizer=False)
     ggml.set_isa(isa)

@@ -345,7 +345,8 @@ def test_default_model_converts_once(default_conversion: tuple[ModelFiles, list[
     assert state["model.embed_tokens.weight"].shape == (config.vocab_size, config.hidden_size)
 
 
-@pytest.mark.slow
+@pytest.mark.full  # ~50 s of transformers reading the Q4_1 file; CI checks the same conversion
+# on a tiny Q4_1 file (test_gguf_model's test_conversion_equals_transformers_dequantization)
 def test_converted_default_matches_gguf_logits(
     default_conversion: tuple[ModelFiles, list[Path]],
 ) -> None:

@@ -1,5 +1,6 @@
-"""Replicas behind SMG end to end: ``agentd cluster start`` (two replicas of the default model and
-SMG's ``smg launch`` on 127.0.0.1, as a user runs them), the real ``openai`` SDK through the
+"""Replicas behind SMG end to end: ``agentd cluster start`` (two replicas of a tiny random llama
+with the default model's tokenizer and template, and SMG's ``smg launch`` on 127.0.0.1, as a user
+runs them), the real ``openai`` SDK through the
 router, and each replica's own ``/v1/stats`` as the judge of where requests went.
 
 Four agent workloads, six turns each (the start of the workload's system prompt, a different
@@ -39,11 +40,12 @@ pytestmark = pytest.mark.slow
 if not (Path(sys.executable).with_name("smg").exists() or shutil.which("smg")):
     pytest.skip("SMG is not installed (pip install 'agentd[cluster]')", allow_module_level=True)
 
-MODEL = "SmolLM2-135M-Instruct"
+MODEL = "tiny-llama"  # where requests go is the router's and the pool's work, not the model's:
+# the default model's replicas made this module ~95 s of CI's time, the tiny one's a fraction
 WORKLOADS = ("coding_agent", "support_agent", "research_agent", "code_edit_agent")
 TURNS = 6
 BLOCK_SIZE = 16
-REPLICA_ARGS = ("--kv-cache-memory", "256MiB", "--log-level", "warning")
+REPLICA_ARGS = ("--kv-cache-memory", "16MiB", "--log-level", "warning")
 # the first 1,600 characters of each system prompt (~400 tokens, 25 blocks): where a prompt goes
 # depends on its text, not on its length, and each whole prompt cost a cold prefill per replica
 SYSTEM_CHARS = 1600
@@ -71,8 +73,9 @@ def free_ports(count: int) -> int:
 class Cluster:
     """``agentd cluster start/stop`` in a directory of its own."""
 
-    def __init__(self, root: Path, policy: str, *options: str) -> None:
+    def __init__(self, root: Path, model: Path, policy: str, *options: str) -> None:
         self.root, self.policy, self.options = root, policy, options
+        self.replica_args = ("--model", str(model), *REPLICA_ARGS)
         self.port = free_ports(4)
         self.url = f"http://127.0.0.1:{self.port}"
 
@@ -85,7 +88,7 @@ class Cluster:
         done = subprocess.run(
             [sys.executable, "-m", "agentd.cli", "cluster", "start", "--replicas", "2",
              "--port", str(self.port), "--policy", self.policy, "--cluster-dir", str(self.root),
-             *self.options, "--", *REPLICA_ARGS], capture_output=True, text=True, timeout=600)
+             *self.options, "--", *self.replica_args], capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stdout + done.stderr
         self.state = json.loads((self.root / "cluster.json").read_text())
         self.replicas = [r["url"] for r in self.state["replicas"]]
@@ -151,10 +154,16 @@ def run_workloads(cluster: Cluster) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def cache_aware(tmp_path_factory) -> Iterator[tuple[Cluster, dict[str, Any]]]:
+def tiny(tiny_model_factory) -> Path:
+    return tiny_model_factory("llama")
+
+
+@pytest.fixture(scope="module")
+def cache_aware(tmp_path_factory, tiny: Path) -> Iterator[tuple[Cluster, dict[str, Any]]]:
     """A cache-aware cluster (one GPU id per replica, none used here) and its run of the
     workloads; it serves the module's tests, the replica kill last."""
-    with Cluster(tmp_path_factory.mktemp("ca"), "cache_aware", "--gpus", "0,1") as cluster:
+    with Cluster(tmp_path_factory.mktemp("ca"), tiny, "cache_aware", "--gpus",
+                 "0,1") as cluster:
         yield cluster, run_workloads(cluster)
 
 
@@ -179,12 +188,12 @@ def test_cache_aware_routing_keeps_each_agent_on_its_replica(
 
 @pytest.mark.full
 def test_cache_aware_routing_hits_more_than_round_robin(
-        tmp_path_factory, cache_aware: tuple[Cluster, dict[str, Any]]) -> None:
+        tmp_path_factory, tiny: Path, cache_aware: tuple[Cluster, dict[str, Any]]) -> None:
     """The same workloads behind a round-robin router: a workload's turns alternate, so each
     replica computes its prefix once, and the hit rate is lower. (Under ``-m full``: a second
     cluster, ~45 s on 2 cores, to measure SMG's own policy; benchmarks/cluster.py compares the
     two at full prompt length.)"""
-    with Cluster(tmp_path_factory.mktemp("rr"), "round_robin") as cluster:
+    with Cluster(tmp_path_factory.mktemp("rr"), tiny, "round_robin") as cluster:
         round_robin = run_workloads(cluster)
     for name in WORKLOADS:
         assert round_robin[name]["per_replica"] == [TURNS // 2, TURNS // 2], name
@@ -247,7 +256,7 @@ def survive_a_replica_killed(cluster: Cluster) -> None:
     port = cluster.replicas[victim].rsplit(":", 1)[1]
     restarted = subprocess.run(
         [sys.executable, "-m", "agentd.cli", "start", "--detach", "--port", port, "--state-dir",
-         str(state_dir), "--num-threads", str(cluster.state["threads"]), *REPLICA_ARGS],
+         str(state_dir), "--num-threads", str(cluster.state["threads"]), *cluster.replica_args],
         capture_output=True, text=True, timeout=600)
     assert restarted.returncode == 0, restarted.stdout + restarted.stderr
     stats = httpx.get(f"{cluster.replicas[victim]}/v1/stats").json()

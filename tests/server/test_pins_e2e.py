@@ -1,4 +1,6 @@
-"""Pins end to end: a real ``agentd start`` with the default model on loopback, a small pool.
+"""Pins end to end: a real ``agentd start`` on loopback (a tiny random llama with the default
+model's tokenizer and chat template: the pool's and the pins' work is the same as the default
+model's, at a fraction of CI's time), a small pool.
 
 ``agentd pin`` (the CLI, as a user runs it) pins the research agent's system prompt and tools;
 chat requests through the ``openai`` SDK with any user message then report the whole pin as
@@ -22,17 +24,18 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-MODEL = "SmolLM2-135M-Instruct"
-# the default model's fp16 KV: 181 blocks of 16 tokens; the research pin takes 143 of them
-# (budget 0.85 = 153)
-DAEMON_ARGS = ("--kv-cache-memory", "64MiB", "--max-pinned-fraction", "0.85",
+MODEL = "tiny-llama"
+# the tiny llama's fp32 KV: 8 KiB a block of 16 tokens, so 184 blocks; the research pin takes
+# 143 of them (budget 0.85 = 156)
+DAEMON_ARGS = ("--kv-cache-memory", "1472KiB", "--max-pinned-fraction", "0.85",
                "--log-level", "info")
 UNIQUE_PROMPT_BLOCKS = 20
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory, daemon_process):
-    with daemon_process(tmp_path_factory.mktemp("agentd-pins"), *DAEMON_ARGS) as daemon:
+def daemon(tmp_path_factory, tiny_model_factory, daemon_process):
+    with daemon_process(tmp_path_factory.mktemp("agentd-pins"), "--model",
+                        str(tiny_model_factory("llama")), *DAEMON_ARGS) as daemon:
         yield daemon
 
 

@@ -1,7 +1,7 @@
-"""Constrained outputs always end: a tiny random Llama (the real SmolLM2 tokenizer) at
-temperature 1, 20 seeds per schema batched through one engine (50 in ``-m full``), with ``max_tokens`` a few tokens
-past what the closing estimate says the shortest output needs. Every output must parse and
-validate with the ``jsonschema`` library, formats checked where it can check them; without
+"""Constrained outputs always end: a tiny random Llama (the real SmolLM2 tokenizer) at temperature
+1, 20 seeds per schema batched through one engine (50 in ``-m full``), with ``max_tokens`` a few
+tokens past what the closing estimate says the shortest output needs. Every output must parse
+and validate with the ``jsonschema`` library, formats checked where it can check them; without
 closing, the same setup runs out of tokens."""
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
-"""End to end, on a real daemon through the real ``openai`` SDK (a tiny random llama with the default
-model's tokenizer and template: what is kept and what is evicted is the pool's work, the same for
-any model, and the default model's prefills made this ~60 s of CI's time): a prefix retained with
-``prompt_cache_retention: "24h"`` survives cache pressure that evicts an unmarked prefix of the
-same size, measured in cached tokens after the pressure; ``agentd stats`` shows it."""
+"""End to end, on a real daemon through the real ``openai`` SDK (a tiny random llama with the
+default model's tokenizer and template: what is kept and what is evicted is the pool's work, the
+same for any model, and the default model's prefills made this ~60 s of CI's time): a prefix
+retained with ``prompt_cache_retention: "24h"`` survives cache pressure that evicts an unmarked
+prefix of the same size, measured in cached tokens after the pressure; ``agentd stats`` shows
+it."""
 
 from __future__ import annotations
 

@@ -128,6 +128,9 @@ class EngineConfig:
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     jump_forward: bool = True  # append the tokens a grammar forces without a step each
     kv_events: KVEventsConfig | None = None  # publish the pool's KV events (kv_publisher)
+    # the disk tier under the pool (agentd.engine.kv_tier): None keeps blocks in memory only
+    kv_disk_dir: str | None = None
+    kv_disk_budget_bytes: int | None = None  # None: a quarter of the free disk, <= 100 GiB
     extra: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -174,6 +177,8 @@ class EngineConfig:
     def _check_kv_cache(self) -> None:
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError("kv_cache_memory_bytes must be positive")
+        if self.kv_disk_budget_bytes is not None and self.kv_disk_budget_bytes < 0:
+            raise ValueError("kv_disk_budget_bytes must not be negative")
         if self.kv_cache_dtype not in ("auto", "float32", "float16", "bfloat16"):
             raise ValueError(f"kv_cache_dtype must be auto, float32, float16 or bfloat16, not "
                              f"{self.kv_cache_dtype!r}")

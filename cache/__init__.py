@@ -6,6 +6,7 @@ Invariant: this package imports only the standard library and xxhash.
 from __future__ import annotations
 
 from .block_pool import BlockPool, FreeBlockQueue, KVBlock, NoFreeBlocksError, PoolStats
+from .disk_store import DiskKVStore, DiskStoreStats, LoadJob
 from .hashing import BlockHash, hash_block, hash_blocks
 from .holders import (
     CONVERSATION,
@@ -59,10 +60,13 @@ __all__ = [
     "BlockHolders",
     "BlockPool",
     "CachedPrefix",
+    "DiskKVStore",
+    "DiskStoreStats",
     "FreeBlockQueue",
     "KVBlock",
     "KVCacheManager",
     "KVCopy",
+    "LoadJob",
     "KeptTail",
     "NoFreeBlocksError",
     "PoolStats",

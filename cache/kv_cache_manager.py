@@ -12,7 +12,7 @@ forward writes into those blocks.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from .block_pool import BlockPool
@@ -71,6 +71,9 @@ class KVCacheManager:
         self._num_cached_blocks: dict[str, int] = {}  # request id -> blocks registered
         self.move_cached_blocks = move_cached_blocks
         self._copies: list[KVCopy] = []  # queued for the next forward (take_copies)
+        # told (block ids, hashes) of each run of blocks that cache_blocks registers: the disk
+        # tier writes them behind the pool
+        self.on_cached: Callable[[Sequence[int], Sequence[BlockHash]], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -218,11 +221,14 @@ class KVCacheManager:
         block_hashes = [] if block_hashes is None else block_hashes
         self._extend_hashes(block_hashes, token_ids, num_full_blocks, cache_salt)
         bs = self.block_size
+        block_ids = table[start:num_full_blocks]
         self.pool.cache_full_blocks(
-            table[start:num_full_blocks], block_hashes[start:num_full_blocks],
+            block_ids, block_hashes[start:num_full_blocks],
             token_ids[start * bs:num_full_blocks * bs], block_hashes[start - 1] if start else None,
         )
         self._num_cached_blocks[request_id] = num_full_blocks
+        if self.on_cached is not None:
+            self.on_cached(block_ids, block_hashes[start:num_full_blocks])
 
     def _extend_hashes(
         self,

@@ -42,7 +42,8 @@ _SPEC_OPTION_NAMES = ("num_speculative_tokens", "prompt_lookup_max", "prompt_loo
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 # EngineConfig field -> the option that sets it, for error messages.
 _OPTION_OF = {"kv_cache_memory_bytes": "--kv-cache-memory",
-              "enable_prefix_caching": "--no-prefix-caching"}
+              "enable_prefix_caching": "--no-prefix-caching",
+              "kv_disk_budget_bytes": "--kv-disk-budget"}
 
 
 def _option(name: str, **kwargs: Any) -> Any:
@@ -133,6 +134,15 @@ def _option(name: str, **kwargs: Any) -> Any:
 @_option("--speculative-max-num-seqs", default=_SPEC.max_num_seqs, type=int,
          help="Draft only while at most this many requests run (more: compute-bound).")
 @_option("--no-prefix-caching", is_flag=True, help="Turn prefix (KV) caching off.")
+@_option("--kv-disk-dir", default=None,
+         help="The KV disk tier: every computed prompt block is written here too, and read back "
+              "instead of recomputed once the pool has evicted it, across restarts [default: "
+              "<state dir>/kv-store].")
+@_option("--kv-disk-budget", default=None,
+         help="Most bytes the KV disk tier holds, e.g. 20GiB; least recently used blocks leave "
+              "first [default: a quarter of the disk space free at start, at most 100GiB].")
+@_option("--no-kv-disk", is_flag=True,
+         help="Keep KV blocks in memory only (the pool; pins keep their own snapshots).")
 @_option("--no-jump-forward", is_flag=True,
          help="Decode every token of a constrained output, even where the grammar allows only "
               "one continuation (by default such text is appended without a step each).")
@@ -272,6 +282,9 @@ def engine_config(params: dict[str, Any]) -> EngineConfig:
             num_threads=params["num_threads"],
             mlock=params["mlock"],
             kv_events=_kv_events(params),
+            kv_disk_dir=_kv_disk_dir(params),
+            kv_disk_budget_bytes=None if params["kv_disk_budget"] is None else
+            parse_size(params["kv_disk_budget"]),
             speculative=SpeculativeConfig(
                 method=params["speculative"], num_tokens=params["num_speculative_tokens"],
                 ngram_max=params["prompt_lookup_max"], ngram_min=params["prompt_lookup_min"],
@@ -281,6 +294,14 @@ def engine_config(params: dict[str, Any]) -> EngineConfig:
         raise click.ClickException(
             f"{_option_names(str(exc))} (see `agentd start --help`)"
         ) from None
+
+
+def _kv_disk_dir(params: dict[str, Any]) -> str | None:
+    if params["no_kv_disk"]:
+        return None
+    if params["kv_disk_dir"] is not None:
+        return str(Path(params["kv_disk_dir"]).expanduser().absolute())
+    return str(StatePaths.of(params["state_dir"]).root / "kv-store")
 
 
 def _kv_events(params: dict[str, Any]) -> KVEventsConfig | None:

@@ -105,7 +105,11 @@ def _overview(s: dict[str, Any]) -> Any:
                            f"{format_duration(s['uptime_s'])}")
     queries, hits = s["prefix_cache_queries"], s["prefix_cache_hits"]
     rate = s.get("prefix_cache_hit_rate")
-    table.add_row("prefix cache", f"{_pct(rate)} of prompt tokens hit ({hits} of {queries})")
+    disk_hits = s.get("prefix_cache_disk_hits", 0)
+    table.add_row("prefix cache", f"{_pct(rate)} of prompt tokens hit ({hits} of {queries}"
+                                  f"{f', {disk_hits} from disk' if disk_hits else ''})")
+    if s.get("kv_disk"):
+        table.add_row("disk tier", _disk(s["kv_disk"]))
     pinned, retained = s["num_blocks_pinned"], s.get("num_blocks_retained", 0)
     table.add_row("pool blocks", f"{s['num_blocks_free']} free, {s['num_blocks_cached']} cached, "
                                  f"{pinned} pinned, {retained} retained, "
@@ -118,6 +122,23 @@ def _overview(s: dict[str, Any]) -> Any:
     if s.get("pin_persist_error"):
         table.add_row("[red]pins not saved[/]", s["pin_persist_error"])
     return table
+
+
+def _disk(disk: dict[str, Any]) -> str:
+    """The KV disk tier in one line: size against budget, traffic, trouble."""
+    oldest = disk["oldest_use_s"]
+    line = (f"{disk['num_blocks']} blocks, {disk['num_bytes'] / 2**30:.2f} of "
+            f"{disk['budget_bytes'] / 2**30:.1f} GiB"
+            f"{f', oldest used {format_duration(oldest)} ago' if oldest is not None else ''}; "
+            f"{disk['num_blocks_written']} written, {disk['num_blocks_read']} read back "
+            f"({disk['num_loads']} loads, {disk['load_s']:.2f} s); {disk['directory']}")
+    if disk["num_blocks_rejected"]:
+        line += f"; {disk['num_blocks_rejected']} failed their checks (recomputed)"
+    if disk["num_writes_dropped"]:
+        line += f"; {disk['num_writes_dropped']} writes dropped (queue full)"
+    if disk["writes_stopped"]:
+        line += f"; [red]writes stopped: {disk['writes_stopped']}[/]"
+    return line
 
 
 def _ttft(ttft: dict[str, dict[str, Any]]) -> Any:

@@ -40,6 +40,7 @@ from agentd.engine.kv_sizing import (
     plan_pool,
     resolve_kv_dtype,
 )
+from agentd.engine.kv_tier import DiskTierStats, open_disk_tier
 from agentd.engine.model_runner import ModelRunner
 from agentd.engine.output_processor import OutputProcessor
 from agentd.engine.outputs import StreamDelta
@@ -95,6 +96,7 @@ class EngineStats:
     num_tail_blocks: int = 0  # stored conversations' last partial blocks (conversation_tails)
     kv_cache: KVPlan | None = None  # the pool's dtype and size, the context and any cap reason
     load_s: float | None = None  # how long loading the model took (None: it was handed in)
+    kv_disk: DiskTierStats | None = None  # the disk tier under the pool (None: off)
 
     def flat(self) -> dict[str, Any]:
         """Every number under one name (speculation's prefixed ``spec_``); ``kv_cache`` as a
@@ -108,7 +110,8 @@ class EngineStats:
                    num_jump_forward_tokens=self.num_jump_forward_tokens,
                    num_tail_blocks=self.num_tail_blocks,
                    kv_cache=None if self.kv_cache is None else dataclasses.asdict(self.kv_cache),
-                   load_s=self.load_s)
+                   load_s=self.load_s,
+                   kv_disk=None if self.kv_disk is None else dataclasses.asdict(self.kv_disk))
         return out
 
 
@@ -177,12 +180,18 @@ class LLMEngine:
         # conversations continued by token ids (stored responses) keep their last partial block
         self.tails = TailKeeper(self.kv_cache, max(1, self.num_blocks // 8))
         self.retention = RetentionManager(self.kv_cache, self.pins.registry, self.tokenizer)
+        self.runner = ModelRunner(loaded.model, self.num_blocks, config.block_size,
+                                  loaded.device, kv_dtype, backend)
+        # blocks written behind the pool and read back into it (off without a directory)
+        self.disk = open_disk_tier(config.kv_disk_dir, config.kv_disk_budget_bytes,
+                                   self.fingerprint, config.block_size, self.runner.kv_caches,
+                                   config.enable_prefix_caching)
+        if self.disk.enabled:
+            self.kv_cache.on_cached = self.disk.stage
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len,
                                    config.long_prefill_chunk,
-                                   attention_context(loaded.model.dims))
-        self.runner = ModelRunner(loaded.model, self.num_blocks, config.block_size,
-                                  loaded.device, kv_dtype, backend)
+                                   attention_context(loaded.model.dims), self.disk)
         self.sampler = Sampler(loaded.device)
         self.speculator = make_speculator(config.speculative)
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, loaded.eos_token_ids)
@@ -298,9 +307,11 @@ class LLMEngine:
         return self.retention.retain(token_ids, hold, cache_salt, owner)
 
     def close(self) -> None:
-        """Release what outlives a step: the KV-event publisher sends what it has queued."""
+        """Release what outlives a step: the KV-event publisher sends what it has queued, the
+        disk tier writes what it has."""
         if isinstance(self.kv_events, KVEventPublisher):
             self.kv_events.close()
+        self.disk.close()
 
     # --- the step --------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:
@@ -315,6 +326,8 @@ class LLMEngine:
         deltas = [self._failed(request_id) for request_id in out.failed_ids]
         self.runner.copy_kv(out.kv_copies)
         if out.empty:
+            if self.scheduler.loading:  # nothing to run until a load lands: no busy loop
+                self.disk.wait_for_landing(0.05)
             return deltas
         result = self.runner.execute(out.scheduled)
         self.totals.num_steps += 1
@@ -390,4 +403,5 @@ class LLMEngine:
             num_tail_blocks=len(self.tails),
             kv_cache=self.kv_plan,
             load_s=self.load_s,
+            kv_disk=self.disk.stats(),
         )

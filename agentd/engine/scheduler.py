@@ -25,6 +25,12 @@ whose next ``WAIT_FOR_TOKENS`` uncached tokens a running request is still comput
 (agents that start together with the same new prompt) waits for them to be cached rather than
 compute them again; the requests behind it are admitted meanwhile.
 
+Under the pool, a disk tier (:mod:`agentd.engine.kv_tier`) may hold the blocks that follow a
+waiting request's cached prefix: the request then takes its seat and blocks for them and waits,
+out of the queue, while the loader reads them (``loading``); the step goes on without it. When
+the load lands, the blocks that verified are registered and the request runs from there,
+computing only what neither tier had (a block that failed its checks, and what follows it).
+
 Draft tokens (``Request.spec_token_ids``, from :mod:`agentd.engine.spec_decode`) ride along with a
 decoding request's next token when the budget and spare free blocks allow; they never cause a
 preemption. After the step, the KV of the drafts the sampler rejected is void: the request's
@@ -46,8 +52,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from agentd.cache import BlockHash, CachedPrefix, KVCacheManager, KVCopy
+from agentd.cache import BlockHash, CachedPrefix, KVCacheManager, KVCopy, LoadJob
 from agentd.engine.request import Request, RequestStatus, check_prompt
 
 # A waiting request waits for a running prefill that is computing at least this many of its next
@@ -92,19 +99,47 @@ class SchedulerOutput:
 @dataclass
 class SchedulerStats:
     prefix_cache_queries: int = 0  # prompt tokens looked up at first admission
-    prefix_cache_hits: int = 0  # of those, tokens found cached
+    prefix_cache_hits: int = 0  # of those, tokens found cached (in the pool or on disk)
+    prefix_cache_disk_hits: int = 0  # of the hits, tokens read back from the disk tier
     num_preemptions: int = 0
+
+
+class BlockTier(Protocol):
+    """What the scheduler asks of a tier under the pool (agentd.engine.kv_tier)."""
+
+    enabled: bool
+
+    def count_leading(self, block_hashes: Sequence[BlockHash]) -> int: ...
+
+    def load(self, job: LoadJob) -> None: ...
+
+    def take_landed(self) -> list[LoadJob]: ...
+
+
+class _NoTier:
+    enabled = False
+
+    def count_leading(self, block_hashes: Sequence[BlockHash]) -> int:
+        return 0
+
+    def load(self, job: LoadJob) -> None:
+        raise RuntimeError("no tier to load from")
+
+    def take_landed(self) -> list[LoadJob]:
+        return []
 
 
 class Scheduler:
     def __init__(self, kv_cache: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, long_prefill_chunk: int | None = None,
-                 attention_context: float | None = None) -> None:
+                 attention_context: float | None = None, tier: BlockTier | None = None) -> None:
         """``max_model_len``: the context every request fits in (its prompt is checked when it
         is added, and the output processor ends it there); no draft runs past it.
         ``attention_context``: see the module's docstring (None: a row costs one token of the
-        budget wherever it is)."""
+        budget wherever it is). ``tier``: where blocks the pool lacks may be read back from."""
         self.kv_cache = kv_cache
+        self.tier: BlockTier = tier or _NoTier()
+        self.loading: dict[str, Request] = {}  # admitted, waiting for their blocks from the tier
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # the most prompt tokens one request runs in a step (None: the whole budget)
@@ -139,10 +174,11 @@ class Scheduler:
         return len(self.waiting)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self._land_loads(out)
         budget = self.max_num_batched_tokens
         computing = self._blocks_being_computed()
         shares = self._prefill_shares(computing)
@@ -164,10 +200,13 @@ class Scheduler:
             budget -= num_new + len(drafts)
             index += 1
         index = 0
-        while (index < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs
+        while (index < len(self.waiting) and budget > 0
+               and len(self.running) + len(self.loading) < self.max_num_seqs
                and not out.preempted_ids):
             request = self.waiting[index]
             cached = self._cached_prefix(request)
+            if self._start_load(request, cached):
+                continue  # out of the queue: the next one is at ``index`` now
             if self._would_recompute(cached, computing):
                 index += 1  # running prefills are computing its next blocks: wait for the hits
                 continue
@@ -191,6 +230,47 @@ class Scheduler:
             self._pressure_steps -= 1
         out.kv_copies = self.kv_cache.take_copies()
         return out
+
+    def _start_load(self, request: Request, cached: CachedPrefix) -> bool:
+        """Whether ``request`` started loading the blocks after ``cached`` from the tier (it
+        holds its seat and those blocks, out of the queue, until the load lands)."""
+        if not self.tier.enabled:
+            return False
+        block_size = self.kv_cache.block_size
+        first = len(cached.block_ids)
+        wanted = cached.block_hashes[first:(request.num_tokens - 1) // block_size]
+        num_stored = self.tier.count_leading(wanted)
+        if num_stored == 0 or self.kv_cache.allocate(
+                request.request_id, cached.num_tokens + num_stored * block_size, cached) is None:
+            return False
+        self.waiting.remove(request)
+        self.loading[request.request_id] = request
+        table = self.kv_cache.block_table(request.request_id)
+        self.tier.load(LoadJob(request.request_id, wanted[:num_stored],
+                               table[first:first + num_stored], cached.num_tokens))
+        return True
+
+    def _land_loads(self, out: SchedulerOutput) -> None:
+        """Requests whose blocks the tier read: register the ones that verified, drop the rest,
+        and run them from there (an aborted one only frees its blocks now)."""
+        for job in self.tier.take_landed():
+            request = self.loading.pop(job.request_id)
+            if request.status.finished:  # aborted while its blocks were being written
+                self.kv_cache.free(request.request_id)
+                continue
+            num_tokens = job.num_pool_tokens + job.num_loaded * self.kv_cache.block_size
+            self.kv_cache.cache_blocks(request.request_id, request.all_token_ids, num_tokens,
+                                       request.cache_salt, request.block_hashes)
+            self.kv_cache.trim(request.request_id, num_tokens)
+            request.num_computed_tokens = num_tokens
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = num_tokens
+                out.admitted_ids.append(request.request_id)
+                self.stats.prefix_cache_queries += request.num_tokens
+                self.stats.prefix_cache_hits += num_tokens
+                self.stats.prefix_cache_disk_hits += num_tokens - job.num_pool_tokens
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
 
     def _cached_prefix(self, request: Request) -> CachedPrefix:
         return self.kv_cache.find_cached_prefix(
@@ -401,5 +481,6 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.kv_cache.free(request.request_id)
+        if request.request_id not in self.loading:  # else the loader writes into its blocks:
+            self.kv_cache.free(request.request_id)  # they are freed when the load lands
         del self.requests[request.request_id]

@@ -90,6 +90,38 @@ class _EngineCollector:
         yield blocks
         yield from _pin_families(model_name, snapshot.pins)
         yield from _retained_families(model_name, stats, snapshot.pins)
+        yield from _disk_families(model_name, stats)
+
+
+def _disk_families(model_name: str, stats: EngineStats) -> Iterator[Metric]:
+    """The disk tier under the pool, where it is on."""
+    disk = stats.kv_disk
+    if disk is None:
+        return
+    labels = ["model_name"]
+    for name, doc, value in (
+            ("agentd:kv_disk_hit_tokens", "Prompt tokens read back from the KV disk tier instead "
+             "of recomputed.", stats.scheduler.prefix_cache_disk_hits),
+            ("agentd:kv_disk_blocks_written", "KV blocks written to the disk tier.",
+             disk.num_blocks_written),
+            ("agentd:kv_disk_blocks_read", "KV blocks read back from the disk tier.",
+             disk.num_blocks_read),
+            ("agentd:kv_disk_blocks_rejected", "Stored KV blocks that failed their checks "
+             "(recomputed).", disk.num_blocks_rejected),
+            ("agentd:kv_disk_writes_dropped", "KV block writes dropped on a full queue.",
+             disk.num_writes_dropped)):
+        family = CounterMetricFamily(name, doc, labels=labels)
+        family.add_metric([model_name], value)
+        yield family
+    for name, doc, value in (
+            ("agentd:kv_disk_blocks", "KV blocks in the disk tier.", disk.num_blocks),
+            ("agentd:kv_disk_bytes", "Bytes of the disk tier's segments.", disk.num_bytes),
+            ("agentd:kv_disk_budget_bytes", "The disk tier's budget.", disk.budget_bytes),
+            ("agentd:kv_disk_write_queue_blocks", "KV blocks waiting to be written.",
+             disk.write_queue_blocks)):
+        family = GaugeMetricFamily(name, doc, labels=labels)
+        family.add_metric([model_name], value)
+        yield family
 
 
 def _router_families(model_name: str, stats: EngineStats) -> Iterator[Metric]:

@@ -66,6 +66,7 @@ def tiny_daemon(tiny_model_factory, tmp_path_factory, daemon_process) -> Iterato
     model_dir = tiny_model_factory("llama")
     with daemon_process(tmp_path_factory.mktemp("bench-state"), "--model", str(model_dir),
                         "--kv-cache-memory", "16MiB", "--log-level", "warning",
+                        "--no-kv-disk",  # its pressure phase measures the pool alone
                         ready_timeout_s=120) as daemon:
         yield daemon.url, model_dir
 

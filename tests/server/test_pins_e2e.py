@@ -28,7 +28,8 @@ MODEL = "tiny-llama"
 # the tiny llama's fp32 KV: 8 KiB a block of 16 tokens, so 184 blocks; the research pin takes
 # 143 of them (budget 0.85 = 156)
 DAEMON_ARGS = ("--kv-cache-memory", "1472KiB", "--max-pinned-fraction", "0.85",
-               "--log-level", "info")
+               "--log-level", "info",
+               "--no-kv-disk")  # what the pool evicts stays evicted (no disk tier under it)
 UNIQUE_PROMPT_BLOCKS = 20
 
 

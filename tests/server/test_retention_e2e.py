@@ -26,7 +26,8 @@ POOL = "1088KiB"
 def daemon(tmp_path_factory, tiny_model_factory, daemon_process) -> Iterator[object]:
     with daemon_process(tmp_path_factory.mktemp("agentd-state"), "--log-level", "warning",
                         "--model", str(tiny_model_factory("llama")),
-                        "--kv-cache-memory", POOL) as d:
+                        "--kv-cache-memory", POOL,
+                        "--no-kv-disk") as d:  # the pool's retention: no disk tier under it
         yield d
 
 

@@ -184,27 +184,28 @@ def pytest_configure(config: pytest.Config) -> None:
 
 # Under xdist the two workers take whole files (`--dist loadfile`) in collection order, so a
 # long module collected last leaves one worker idle while the other finishes it. The longest
-# go first (seconds of test time on 2 cores, junit of `pytest -n 2`, 2026-12-03).
+# go first (seconds of test time on 2 cores, junit of `pytest -n 2`, 2026-12-05).
 LONGEST_FIRST = (
-    "server/test_structured_e2e.py",  # ~145 s: a cold 5,700-token agent prefix, 10 forced calls
-    "server/test_cluster_e2e.py",  # ~55 s: a 2-replica cluster behind SMG (3 processes)
-    "model/test_default_model.py",  # ~60 s
-    "engine/test_closing.py",  # ~56 s
-    "model/test_equivalence.py",  # ~54 s
-    "model/test_loader.py",  # ~54 s
-    "server/test_e2e.py",  # ~38 s
-    "hardening/test_crash.py",  # ~38 s
-    "server/test_pins_e2e.py",  # ~34 s
-    "cli/test_bench.py",  # ~33 s
-    "engine/test_spec_engine.py",  # ~28 s
-    "server/test_retention_e2e.py",  # ~26 s
-    "kernels/test_prefill_attention.py",  # ~25 s: Triton's interpreter
-    "hardening/test_schema_fuzz.py",  # ~26 s: a capped child loads the tiny model
-    "hardening/test_fuzz.py",  # ~23 s
-    "structured/test_forced.py",  # ~25 s: a capped child compiles two endless grammars
-    "model/test_packed_linear.py",  # ~23 s
-    "engine/test_pin_restore.py",  # ~23 s
-    "hardening/test_disconnects.py",  # ~21 s
+    "model/test_equivalence.py",  # ~89 s: tiny models of four families against transformers
+    "server/test_e2e.py",  # ~88 s: the default model, its exact mode too
+    "hardening/test_crash.py",  # ~72 s: kill -9 and restarts of a daemon
+    "cli/test_bench.py",  # ~67 s
+    "hardening/test_fuzz.py",  # ~65 s
+    "server/test_structured_e2e.py",  # ~60 s: the code-editing agent's prefix, cold
+    "engine/test_closing.py",  # ~55 s
+    "examples/test_examples.py",  # ~55 s
+    "engine/test_spec_engine.py",  # ~47 s
+    "server/test_cluster_e2e.py",  # ~45 s: a 2-replica cluster behind SMG (3 processes)
+    "model/test_default_model.py",  # ~45 s
+    "server/test_kv_disk_e2e.py",  # ~40 s: a daemon killed and restarted
+    "model/test_gguf_model.py",  # ~43 s
+    "engine/test_kv_tier.py",  # ~35 s
+    "model/test_gguf_header.py",  # ~38 s
+    "hardening/test_isolation.py",  # ~35 s
+    "server/test_pins_e2e.py",  # ~31 s
+    "model/test_packed_linear.py",  # ~33 s
+    "kernels/test_decode_attention.py",  # ~31 s
+    "model/test_weight_accuracy.py",  # ~31 s
 )
 
 

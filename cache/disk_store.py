@@ -31,7 +31,7 @@ import struct
 import threading
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import xxhash
@@ -54,6 +54,7 @@ class _Segment:
     last_used: float  # wall clock, so that it means the same after a restart
     users: int = 0  # reads and writes in flight outside the lock
     dead: bool = False  # removed: its fd closes when the last user is done
+    keys: list[BlockHash] = field(default_factory=list)  # its records' (a key may be stale)
 
 
 @dataclass(frozen=True)
@@ -162,6 +163,7 @@ class DiskKVStore:
         fd = os.open(path, os.O_RDWR)
         size = os.fstat(fd).st_size
         offset = 0
+        keys: list[BlockHash] = []
         while offset + HEADER_BYTES <= size:
             parsed = _parse_header(os.pread(fd, HEADER_BYTES, offset))
             if parsed is None or parsed[1] != self.block_bytes:
@@ -170,12 +172,13 @@ class DiskKVStore:
             if offset + HEADER_BYTES + payload_bytes > size:
                 break  # torn: its writer died mid-record
             self._index[key] = _Location(seg_id, offset + HEADER_BYTES, payload_bytes, checksum)
+            keys.append(key)
             offset += HEADER_BYTES + payload_bytes
         if offset < size:
             os.ftruncate(fd, offset)
         if last_used is None:
             last_used = os.fstat(fd).st_mtime
-        self._segments[seg_id] = _Segment(seg_id, path, fd, offset, last_used)
+        self._segments[seg_id] = _Segment(seg_id, path, fd, offset, last_used, keys=keys)
 
     def _read_lru(self) -> dict[str, float]:
         try:
@@ -250,6 +253,7 @@ class DiskKVStore:
                 return False
             segment.num_bytes = offset + self.record_bytes
             segment.last_used = time.time()
+            segment.keys.append(key)
             self._index[key] = _Location(segment.seg_id, offset + HEADER_BYTES,
                                          self.block_bytes, checksum)
             self.num_written += 1
@@ -279,8 +283,10 @@ class DiskKVStore:
 
     def _remove(self, segment: _Segment) -> None:
         del self._segments[segment.seg_id]
-        for key in [k for k, loc in self._index.items() if loc.seg_id == segment.seg_id]:
-            del self._index[key]
+        for key in segment.keys:
+            location = self._index.get(key)
+            if location is not None and location.seg_id == segment.seg_id:
+                del self._index[key]
         segment.path.unlink(missing_ok=True)
         segment.dead = True
         if segment is self._active:

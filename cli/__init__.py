@@ -18,6 +18,7 @@ from agentd import __version__
 # name -> "module:attribute"; add a command by adding a line here and a module beside this one.
 COMMANDS = {
     "bench": "agentd.cli.bench:command",
+    "cache": "agentd.cli.cache:command",
     "cluster": "agentd.cli.cluster:command",
     "launch": "agentd.cli.launch:command",
     "start": "agentd.cli.start:command",

@@ -124,8 +124,9 @@ def _overview(s: dict[str, Any]) -> Any:
     return table
 
 
-def _disk(disk: dict[str, Any]) -> str:
-    """The KV disk tier in one line: size against budget, traffic, trouble."""
+def _disk(disk: dict[str, Any], markup: bool = True) -> str:
+    """The KV disk tier in one line: size against budget, traffic, trouble (``markup``: rich's
+    colour for stopped writes)."""
     oldest = disk["oldest_use_s"]
     line = (f"{disk['num_blocks']} blocks, {disk['num_bytes'] / 2**30:.2f} of "
             f"{disk['budget_bytes'] / 2**30:.1f} GiB"
@@ -137,7 +138,8 @@ def _disk(disk: dict[str, Any]) -> str:
     if disk["num_writes_dropped"]:
         line += f"; {disk['num_writes_dropped']} writes dropped (queue full)"
     if disk["writes_stopped"]:
-        line += f"; [red]writes stopped: {disk['writes_stopped']}[/]"
+        stopped = f"writes stopped: {disk['writes_stopped']}"
+        line += f"; [red]{stopped}[/]" if markup else f"; {stopped}"
     return line
 
 

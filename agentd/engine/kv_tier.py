@@ -82,6 +82,9 @@ class NullDiskTier:
     def stats(self) -> DiskTierStats | None:
         return None
 
+    def clear(self) -> int:
+        return 0
+
     def close(self) -> None:
         pass
 
@@ -207,6 +210,10 @@ class DiskTier:
             store.oldest_use_s, store.num_written, store.num_read, store.num_rejected,
             self.num_writes_dropped, len(self._queued), self.num_loads, self.load_s,
             self.writes_stopped)
+
+    def clear(self) -> int:
+        """Remove every stored block (the pool keeps its own); returns how many there were."""
+        return self.store.clear()
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Finish the queued writes (for at most ``timeout_s``), stop the threads, keep the

@@ -1,10 +1,11 @@
 """Operational routes: ``/health``, ``/version``, ``/v1/stats``, ``/metrics``,
-``/admin/integrity`` and ``/admin/shutdown``.
+``/admin/integrity``, ``/admin/kv-disk/clear`` and ``/admin/shutdown``.
 
 Invariant: none of these waits on the engine thread — they read the engine's latest stats and
 pin snapshots — so monitoring answers at once even while a long prefill is running. ``/health`` is
 503 until the model is loaded (and after a failed load), 200 once requests can be served.
-``/admin/integrity`` is the exception: it checks the pool on the engine thread, between steps.
+``/admin/integrity`` and ``/admin/kv-disk/clear`` are the exceptions: they run on the engine
+thread, between steps.
 """
 
 from __future__ import annotations
@@ -115,6 +116,16 @@ class AdminController(Controller):
         ``num_blocks_used == num_blocks_pinned + num_blocks_retained``."""
         engine = server_of(state).require_engine()
         return dataclasses.asdict(await engine.check_integrity())
+
+    @post("/admin/kv-disk/clear", status_code=200,
+          summary="Remove every block of the KV disk tier (the pool keeps its own)")
+    async def clear_kv_disk(self, state: State) -> dict[str, Any]:
+        """Runs between two engine steps; a load in flight then finds its blocks gone and the
+        request computes them."""
+        engine = server_of(state).require_engine()
+        enabled = engine.engine.disk.enabled
+        removed = await engine.call(lambda e: e.disk.clear())
+        return {"enabled": enabled, "num_blocks_removed": removed}
 
     @post("/admin/shutdown", status_code=202, summary="Stop the daemon gracefully",
           sync_to_thread=False, guards=[require_local_token])

@@ -2,7 +2,8 @@
 default model's tokenizer and template, a pool of 64 blocks) with its defaults, the disk tier in
 the state dir. An agent's prompt, evicted from the pool by other prompts, comes back with its
 whole prefix cached (read from disk, the same reply); after ``kill -9`` and a restart its first
-request hits too; ``agentd stats`` and ``/metrics`` say where the tokens came from."""
+request hits too; ``agentd stats`` and ``/metrics`` say where the tokens came from, and
+``agentd cache clear`` empties the tier."""
 
 from __future__ import annotations
 
@@ -78,3 +79,10 @@ def test_an_evicted_prompt_and_a_restart_read_the_prefix_from_disk(daemon) -> No
                 if line.startswith("agentd:kv_disk_hit_tokens_total"))
     assert float(hits.rsplit(" ", 1)[1]) >= num_prompt // 16 * 16
     assert written > 0
+
+    shown = daemon.cli("cache")
+    assert shown.returncode == 0 and "disk tier:" in shown.stdout, shown.stderr
+    cleared = daemon.cli("cache", "clear")
+    assert cleared.returncode == 0, cleared.stderr
+    assert int(cleared.stdout.split()[1]) >= num_prompt // 16, cleared.stdout
+    assert httpx.get(f"{daemon.url}/v1/stats").json()["kv_disk"]["num_blocks"] == 0

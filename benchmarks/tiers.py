@@ -1,7 +1,7 @@
 """Agent sessions whose prefixes outgrow the pool: TTFT and tokens computed per turn with the KV
 disk tier (agentd's default) and without it (``--no-kv-disk``), then after a ``kill -9``.
 
-    python benchmarks/tiers.py [--model PATH] [--sessions 4] [--turns 3] [--pool 96MiB]
+    python benchmarks/tiers.py [--model PATH] [--sessions 4] [--turns 3] [--pool 160MiB]
                                [--max-tokens 8] [--daemon-args "..."] [--json out.json]
 
 Sessions are the packaged agent workloads (research, support, code-editing, then the same again),
@@ -52,7 +52,7 @@ def parse_args() -> argparse.Namespace:
                                                       "[default: the default model]")
     parser.add_argument("--sessions", type=int, default=4)
     parser.add_argument("--turns", type=int, default=3, help="turns before the restart")
-    parser.add_argument("--pool", default="96MiB",
+    parser.add_argument("--pool", default="160MiB",
                         help="--kv-cache-memory: about two sessions' prefixes of the model")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--daemon-args", default="", help="more `agentd start` options")

@@ -325,6 +325,8 @@ class LLMEngine:
                 hooks.admitted(request)
         deltas = [self._failed(request_id) for request_id in out.failed_ids]
         self.runner.copy_kv(out.kv_copies)
+        for job in out.loads:  # after the copies: one may touch a block the job writes
+            self.disk.load(job)
         if out.empty:
             if self.scheduler.loading:  # nothing to run until a load lands: no busy loop
                 self.disk.wait_for_landing(0.05)

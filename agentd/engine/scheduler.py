@@ -27,9 +27,11 @@ compute them again; the requests behind it are admitted meanwhile.
 
 Under the pool, a disk tier (:mod:`agentd.engine.kv_tier`) may hold the blocks that follow a
 waiting request's cached prefix: the request then takes its seat and blocks for them and waits,
-out of the queue, while the loader reads them (``loading``); the step goes on without it. When
-the load lands, the blocks that verified are registered and the request runs from there,
-computing only what neither tier had (a block that failed its checks, and what follows it).
+out of the queue, while the loader reads them (``loading``; the step's ``loads``, started once
+its ``kv_copies`` have run, since a copy may read or write a block just handed to the load); the
+step goes on without it. When the load lands, the blocks that verified are registered and the
+request runs from there, computing only what neither tier had (a block that failed its checks,
+and what follows it).
 
 Draft tokens (``Request.spec_token_ids``, from :mod:`agentd.engine.spec_decode`) ride along with a
 decoding request's next token when the budget and spare free blocks allow; they never cause a
@@ -86,6 +88,10 @@ class SchedulerOutput:
     failed_ids: list[str] = field(default_factory=list)  # finished: they can never fit
     admitted_ids: list[str] = field(default_factory=list)  # first admissions this step
     kv_copies: list[KVCopy] = field(default_factory=list)  # run in order, before the forward
+    # reads from the tier into new blocks, started once kv_copies have run: a copy may read or
+    # write a block the pool just handed a loading request (a cached block moved out of a
+    # growing table's way, agentd.cache's allocate), and the loader must not race it
+    loads: list[LoadJob] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -93,7 +99,7 @@ class SchedulerOutput:
 
     @property
     def empty(self) -> bool:
-        return not self.scheduled
+        return not self.scheduled  # a step may still start loads
 
 
 @dataclass
@@ -111,8 +117,6 @@ class BlockTier(Protocol):
 
     def count_leading(self, block_hashes: Sequence[BlockHash]) -> int: ...
 
-    def load(self, job: LoadJob) -> None: ...
-
     def take_landed(self) -> list[LoadJob]: ...
 
 
@@ -121,9 +125,6 @@ class _NoTier:
 
     def count_leading(self, block_hashes: Sequence[BlockHash]) -> int:
         return 0
-
-    def load(self, job: LoadJob) -> None:
-        raise RuntimeError("no tier to load from")
 
     def take_landed(self) -> list[LoadJob]:
         return []
@@ -205,7 +206,7 @@ class Scheduler:
                and not out.preempted_ids):
             request = self.waiting[index]
             cached = self._cached_prefix(request)
-            if self._start_load(request, cached):
+            if self._start_load(request, cached, out):
                 continue  # out of the queue: the next one is at ``index`` now
             if self._would_recompute(cached, computing):
                 index += 1  # running prefills are computing its next blocks: wait for the hits
@@ -231,9 +232,10 @@ class Scheduler:
         out.kv_copies = self.kv_cache.take_copies()
         return out
 
-    def _start_load(self, request: Request, cached: CachedPrefix) -> bool:
-        """Whether ``request`` started loading the blocks after ``cached`` from the tier (it
-        holds its seat and those blocks, out of the queue, until the load lands)."""
+    def _start_load(self, request: Request, cached: CachedPrefix, out: SchedulerOutput) -> bool:
+        """Whether ``request`` is to load the blocks after ``cached`` from the tier (it holds its
+        seat and those blocks, out of the queue, until the load lands; the caller starts the
+        job in ``out.loads`` once the step's KV copies have run)."""
         if not self.tier.enabled:
             return False
         block_size = self.kv_cache.block_size
@@ -246,8 +248,8 @@ class Scheduler:
         self.waiting.remove(request)
         self.loading[request.request_id] = request
         table = self.kv_cache.block_table(request.request_id)
-        self.tier.load(LoadJob(request.request_id, wanted[:num_stored],
-                               table[first:first + num_stored], cached.num_tokens))
+        out.loads.append(LoadJob(request.request_id, wanted[:num_stored],
+                                 table[first:first + num_stored], cached.num_tokens))
         return True
 
     def _land_loads(self, out: SchedulerOutput) -> None:

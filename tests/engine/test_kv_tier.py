@@ -176,3 +176,34 @@ def test_the_engine_never_waits_on_the_disk(model, reference, tmp_path) -> None:
             cached = delta.num_cached_tokens
     assert tokens == expected and cached == NUM_CACHED
     engine.close()
+
+
+def test_a_load_into_blocks_moved_out_of_a_cached_prefix_corrupts_neither(model, tmp_path) -> None:
+    """After a restart, A loads from disk and stays cached; B shares A's first 3 blocks, so its
+    table grows into A's cached blocks, whose KV the pool moves elsewhere (a copy before the
+    step) while B's blocks load into them. Every copy runs before the load starts: A and B both
+    answer as computed, from pool and disk, and nothing fails its checks."""
+    reference = make_engine(model, None)
+    shared, tail_a, tail_b = prompts(3, 3, 150)
+    prompt_a, prompt_b = shared[:48] + tail_a, shared[:48] + tail_b
+    expected = {name: run(reference, p)[0] for name, p in (("a", prompt_a), ("b", prompt_b))}
+    first = make_engine(model, tmp_path / "kv")
+    run(first, prompt_a), run(first, prompt_b)
+    stored(first, 2 * (len(prompt_a) // BLOCK_SIZE) - 3)
+    first.close()
+
+    engine = make_engine(model, tmp_path / "kv")
+    order: list[str] = []
+    copy_kv, load = engine.runner.copy_kv, engine.disk.load
+    engine.runner.copy_kv = lambda copies: (order.extend("copy" for _ in copies),
+                                            copy_kv(copies))[1]
+    engine.disk.load = lambda job: (order.append("load"), load(job))[1]
+    assert run(engine, prompt_a) == (expected["a"], len(prompt_a) // BLOCK_SIZE * BLOCK_SIZE)
+    order.clear()
+    assert run(engine, prompt_b) == (expected["b"], len(prompt_b) // BLOCK_SIZE * BLOCK_SIZE)
+    # the step that started B's load moved A's blocks out of its way, and copied them first
+    assert "load" in order and "copy" in order[:order.index("load")], order
+    assert run(engine, prompt_a) == (expected["a"], len(prompt_a) // BLOCK_SIZE * BLOCK_SIZE)
+    assert engine.stats().kv_disk.num_blocks_rejected == 0
+    engine.kv_cache.pool.check_integrity()
+    engine.close()

@@ -17,7 +17,8 @@ BLOCK_SIZE = 4
 
 @dataclass
 class FakeTier:
-    """Holds ``stored`` hashes; a job lands when the test says, with ``good`` blocks read."""
+    """Holds ``stored`` hashes; a job (started from a step's ``loads``, as the engine does
+    after the step's copies) lands when the test says, with ``good`` blocks read."""
 
     stored: set[BlockHash] = field(default_factory=set)
     jobs: list[LoadJob] = field(default_factory=list)
@@ -31,9 +32,6 @@ class FakeTier:
                 break
             count += 1
         return count
-
-    def load(self, job: LoadJob) -> None:
-        self.jobs.append(job)
 
     def take_landed(self) -> list[LoadJob]:
         landed, self.landed = self.landed, []
@@ -49,11 +47,20 @@ def request(request_id: str, prompt: list[int]) -> Request:
     return Request(request_id, prompt, SamplingParams(max_tokens=4), max_output_tokens=4)
 
 
+class LoadingScheduler(Scheduler):
+    """Starts each step's loads on the tier, as ``LLMEngine.step`` does."""
+
+    def schedule(self):
+        out = super().schedule()
+        self.tier.jobs.extend(out.loads)
+        return out
+
+
 def setup(num_blocks: int = 16) -> tuple[Scheduler, FakeTier, list[int]]:
     tier = FakeTier()
     kv_cache = KVCacheManager(num_blocks, BLOCK_SIZE)
-    scheduler = Scheduler(kv_cache, max_num_seqs=4, max_num_batched_tokens=64,
-                          max_model_len=128, tier=tier)
+    scheduler = LoadingScheduler(kv_cache, max_num_seqs=4, max_num_batched_tokens=64,
+                                 max_model_len=128, tier=tier)
     prompt = list(range(100, 122))  # 22 tokens: 5 full blocks
     tier.stored.update(hash_blocks(prompt, BLOCK_SIZE)[:4])  # the tier has the first 4
     return scheduler, tier, prompt
@@ -65,6 +72,7 @@ def test_a_request_loads_what_the_tier_holds_and_computes_the_rest() -> None:
     out = scheduler.schedule()
     assert out.empty and list(scheduler.loading) == ["a"] and not scheduler.waiting
     (job,) = tier.jobs
+    assert out.loads == [job]
     assert job.block_hashes == hash_blocks(prompt, BLOCK_SIZE)[:4]
     assert job.block_ids == scheduler.kv_cache.block_table("a") and job.num_pool_tokens == 0
     assert scheduler.has_unfinished()

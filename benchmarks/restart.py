@@ -72,7 +72,8 @@ def main() -> None:
     args = parse_args()
     workload = load_workload(workload_path(args.workload))
     with tempfile.TemporaryDirectory(prefix="agentd-restart-") as tmp:
-        daemon = SpawnedDaemon(Path(tmp) / "state", "--log-level", "warning",
+        # --no-kv-disk: the pin's snapshot or its recompute, not the disk tier's blocks
+        daemon = SpawnedDaemon(Path(tmp) / "state", "--log-level", "warning", "--no-kv-disk",
                                *shlex.split(args.daemon_args), ready_timeout_s=900)
         try:
             daemon.start()

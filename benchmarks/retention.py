@@ -84,7 +84,8 @@ def main() -> None:
     print(cpu_line())
     turns = ["Which sources cover the 1918 flu?"]
     with tempfile.TemporaryDirectory(prefix="agentd-retention-") as tmp:
-        daemon = SpawnedDaemon(Path(tmp) / "state", "--log-level", "warning",
+        # --no-kv-disk: the pool's retention alone, not the disk tier under it
+        daemon = SpawnedDaemon(Path(tmp) / "state", "--log-level", "warning", "--no-kv-disk",
                                *shlex.split(args.daemon_args), ready_timeout_s=900)
         try:
             daemon.start()

@@ -16,7 +16,6 @@ from agentd.cli._client import DaemonClient, url_option
 @click.pass_context
 def command(ctx: click.Context, url: str) -> None:
     """Show the KV disk tier: blocks, bytes against the budget, traffic, where it lives."""
-    ctx.obj = url
     if ctx.invoked_subcommand is not None:
         return
     from agentd.cli.stats import _disk
@@ -32,7 +31,7 @@ def command(ctx: click.Context, url: str) -> None:
 
 
 @command.command()
-@click.pass_obj
+@url_option
 def clear(url: str) -> None:
     """Remove every block of the KV disk tier (the pool's blocks stay cached)."""
     reply = DaemonClient(url).json("POST", "/admin/kv-disk/clear")

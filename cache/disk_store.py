@@ -15,6 +15,12 @@ Invariants:
 - The segments' bytes on disk never exceed ``budget_bytes``: before a record is appended, whole
   segments leave, least recently used first (a segment's last use is its newest record's write
   or read; kept across restarts in ``lru.json``).
+- Two classes of segments: a record is written ``keep``-ed (the blocks of a session a client
+  named) or not (anonymous prefixes), each class into its own segments (a kept one's file is
+  ``NNNNNNNN.keep.seg``). Anonymous segments leave first; a kept one leaves before them only once
+  unused for ``KEEP_S`` (it counts as anonymous then), and an anonymous record never makes a kept
+  segment leave (it is not written when only they could make room). A block stored anonymously
+  and then asked for by a session is written again, kept; the index holds the kept copy.
 - Every directory is 0700, every file 0600. ``store.json`` names the layout (its version, the
   block's byte size); a directory that disagrees is emptied at open, never read.
 
@@ -43,6 +49,8 @@ VERSION = 1
 HEADER_BYTES = 64
 _HEADER = struct.Struct("<4sH2x16sQQ")  # magic, version, key, payload bytes, payload xxh3-64
 _SEGMENT_SUFFIX = ".seg"
+_KEEP_TAG = ".keep"
+KEEP_S = 24 * 3600.0  # a kept segment unused this long is kept no more
 
 
 @dataclass
@@ -55,6 +63,11 @@ class _Segment:
     users: int = 0  # reads and writes in flight outside the lock
     dead: bool = False  # removed: its fd closes when the last user is done
     keys: list[BlockHash] = field(default_factory=list)  # its records' (a key may be stale)
+    keep: bool = False  # a session's blocks: anonymous segments leave before it
+
+    def kept(self, now: float) -> bool:
+        """Whether it is still ahead of the anonymous segments in the eviction order."""
+        return self.keep and now - self.last_used < KEEP_S
 
 
 @dataclass(frozen=True)
@@ -63,6 +76,7 @@ class _Location:
     offset: int  # of the payload
     num_bytes: int
     checksum: int
+    keep: bool = False  # in a kept segment
 
 
 @dataclass
@@ -82,6 +96,7 @@ class DiskStoreStats:
     num_blocks: int
     num_bytes: int
     budget_bytes: int
+    kept_bytes: int  # of num_bytes, in kept segments (sessions' blocks)
     num_segments: int
     oldest_use_s: float | None  # seconds since the least recently used segment's last use
     num_written: int
@@ -132,7 +147,7 @@ class DiskKVStore:
         self._lock = threading.Lock()
         self._index: dict[BlockHash, _Location] = {}
         self._segments: dict[int, _Segment] = {}
-        self._active: _Segment | None = None
+        self._active: dict[bool, _Segment] = {}  # the segment each class appends to
         self.num_written = self.num_read = self.num_rejected = 0
         self._open()
 
@@ -150,15 +165,19 @@ class DiskKVStore:
             self._clear_files()
             _write_private(meta, json.dumps(layout).encode())
         uses = self._read_lru()
-        for path in sorted(self.directory.glob(f"*{_SEGMENT_SUFFIX}")):
+        found = []
+        for path in self.directory.glob(f"*{_SEGMENT_SUFFIX}"):
+            stem = path.name[:-len(_SEGMENT_SUFFIX)]
+            keep = stem.endswith(_KEEP_TAG)
             try:
-                seg_id = int(path.stem)
+                found.append((int(stem.removesuffix(_KEEP_TAG)), keep, path))
             except ValueError:
                 continue
-            self._scan(seg_id, path, uses.get(path.name))
-        self._evict_to(self.budget_bytes)
+        for seg_id, keep, path in sorted(found):
+            self._scan(seg_id, path, uses.get(path.name), keep)
+        self._evict_to(self.budget_bytes, keep=True)
 
-    def _scan(self, seg_id: int, path: Path, last_used: float | None) -> None:
+    def _scan(self, seg_id: int, path: Path, last_used: float | None, keep: bool) -> None:
         """Index a segment's records, cutting it at the first that does not verify."""
         fd = os.open(path, os.O_RDWR)
         size = os.fstat(fd).st_size
@@ -171,14 +190,18 @@ class DiskKVStore:
             key, payload_bytes, checksum = parsed
             if offset + HEADER_BYTES + payload_bytes > size:
                 break  # torn: its writer died mid-record
-            self._index[key] = _Location(seg_id, offset + HEADER_BYTES, payload_bytes, checksum)
+            known = self._index.get(key)
+            if known is None or keep or not known.keep:  # a kept copy wins, else the newest
+                self._index[key] = _Location(seg_id, offset + HEADER_BYTES, payload_bytes,
+                                             checksum, keep)
             keys.append(key)
             offset += HEADER_BYTES + payload_bytes
         if offset < size:
             os.ftruncate(fd, offset)
         if last_used is None:
             last_used = os.fstat(fd).st_mtime
-        self._segments[seg_id] = _Segment(seg_id, path, fd, offset, last_used, keys=keys)
+        self._segments[seg_id] = _Segment(seg_id, path, fd, offset, last_used, keys=keys,
+                                          keep=keep)
 
     def _read_lru(self) -> dict[str, float]:
         try:
@@ -195,6 +218,12 @@ class DiskKVStore:
     # --- queries -----------------------------------------------------------------------------
     def __contains__(self, key: BlockHash) -> bool:
         return key in self._index
+
+    def holds(self, key: BlockHash, keep: bool = False) -> bool:
+        """Whether the store has ``key`` (kept, where ``keep``: an anonymous copy does not
+        count then)."""
+        location = self._index.get(key)
+        return location is not None and (location.keep or not keep)
 
     def __len__(self) -> int:
         return len(self._index)
@@ -218,26 +247,29 @@ class DiskKVStore:
             oldest = min((seg.last_used for seg in segments), default=None)
             return DiskStoreStats(
                 len(self._index), sum(seg.num_bytes for seg in segments), self.budget_bytes,
-                len(segments), None if oldest is None else max(0.0, time.time() - oldest),
+                sum(seg.num_bytes for seg in segments if seg.keep), len(segments), None if oldest is None else max(0.0, time.time() - oldest),
                 self.num_written, self.num_read, self.num_rejected)
 
     # --- write -------------------------------------------------------------------------------
-    def put(self, key: BlockHash, payload: Iterable[memoryview | bytes]) -> bool:
-        """Append one block (its payload in pieces, ``block_bytes`` in all); False when it is
-        there already or cannot fit the budget. Raises OSError when the disk refuses (full)."""
+    def put(self, key: BlockHash, payload: Iterable[memoryview | bytes],
+            keep: bool = False) -> bool:
+        """Append one block (its payload in pieces, ``block_bytes`` in all), into a kept segment
+        where ``keep``; False when it is there already (kept, where ``keep``) or cannot fit the
+        budget. Raises OSError when the disk refuses (full)."""
         pieces = [memoryview(p).cast("B") for p in payload]
         if sum(len(p) for p in pieces) != self.block_bytes:
             raise ValueError(f"a block is {self.block_bytes} bytes, got "
                              f"{sum(len(p) for p in pieces)}")
-        if key in self._index or self.record_bytes > self.budget_bytes:
+        if self.holds(key, keep) or self.record_bytes > self.budget_bytes:
             return False
         digest = xxhash.xxh3_64()
         for piece in pieces:
             digest.update(piece)
         checksum = digest.intdigest()
         with self._lock:
-            self._evict_to(self.budget_bytes - self.record_bytes)
-            segment = self._writable()
+            if not self._evict_to(self.budget_bytes - self.record_bytes, keep):
+                return False  # only kept segments could make room, and this one is not kept
+            segment = self._writable(keep)
             offset = segment.num_bytes
             segment.users += 1
         try:
@@ -255,31 +287,39 @@ class DiskKVStore:
             segment.last_used = time.time()
             segment.keys.append(key)
             self._index[key] = _Location(segment.seg_id, offset + HEADER_BYTES,
-                                         self.block_bytes, checksum)
+                                         self.block_bytes, checksum, keep)
             self.num_written += 1
         return True
 
-    def _writable(self) -> _Segment:
-        """The segment the next record goes to (under the lock; only the writer appends)."""
-        active = self._active
+    def _writable(self, keep: bool) -> _Segment:
+        """The segment the next record of its class goes to (under the lock; only the writer
+        appends)."""
+        active = self._active.get(keep)
         if active is None or active.dead or active.num_bytes + self.record_bytes > \
                 self.segment_bytes:
             seg_id = max(self._segments, default=0) + 1
-            path = self.directory / f"{seg_id:08d}{_SEGMENT_SUFFIX}"
+            tag = _KEEP_TAG if keep else ""
+            path = self.directory / f"{seg_id:08d}{tag}{_SEGMENT_SUFFIX}"
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-            active = self._active = _Segment(seg_id, path, fd, 0, time.time())
+            active = self._active[keep] = _Segment(seg_id, path, fd, 0, time.time(), keep=keep)
             self._segments[seg_id] = active
         return active
 
-    def _evict_to(self, limit_bytes: int) -> None:
-        """Remove least recently used segments until the store holds at most ``limit_bytes``
-        (under the lock)."""
+    def _evict_to(self, limit_bytes: int, keep: bool) -> bool:
+        """Remove segments, anonymous ones first, each class least recently used first, until
+        the store holds at most ``limit_bytes`` (under the lock); kept segments only where
+        ``keep``. Whether it holds that little now."""
         total = sum(seg.num_bytes for seg in self._segments.values())
-        for segment in sorted(self._segments.values(), key=lambda s: s.last_used):
+        now = time.time()
+        order = sorted(self._segments.values(), key=lambda s: (s.kept(now), s.last_used))
+        for segment in order:
             if total <= limit_bytes:
-                return
+                break
+            if segment.kept(now) and not keep:
+                return False
             total -= segment.num_bytes
             self._remove(segment)
+        return total <= limit_bytes
 
     def _remove(self, segment: _Segment) -> None:
         del self._segments[segment.seg_id]
@@ -289,8 +329,8 @@ class DiskKVStore:
                 del self._index[key]
         segment.path.unlink(missing_ok=True)
         segment.dead = True
-        if segment is self._active:
-            self._active = None
+        if self._active.get(segment.keep) is segment:
+            del self._active[segment.keep]
         if segment.users == 0:
             os.close(segment.fd)
 

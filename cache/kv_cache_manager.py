@@ -71,9 +71,9 @@ class KVCacheManager:
         self._num_cached_blocks: dict[str, int] = {}  # request id -> blocks registered
         self.move_cached_blocks = move_cached_blocks
         self._copies: list[KVCopy] = []  # queued for the next forward (take_copies)
-        # told (block ids, hashes) of each run of blocks that cache_blocks registers: the disk
-        # tier writes them behind the pool
-        self.on_cached: Callable[[Sequence[int], Sequence[BlockHash]], None] | None = None
+        # told (block ids, hashes, keep) of each run of blocks that cache_blocks registers: the
+        # disk tier writes them behind the pool (kept over anonymous prefixes where ``keep``)
+        self.on_cached: Callable[[Sequence[int], Sequence[BlockHash], bool], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -199,6 +199,7 @@ class KVCacheManager:
         num_computed_tokens: int,
         cache_salt: str | None = None,
         block_hashes: list[BlockHash] | None = None,
+        keep: bool = False,
     ) -> None:
         """Register the request's newly completed full blocks so other requests can hit them.
 
@@ -209,6 +210,7 @@ class KVCacheManager:
             cache_salt: the request's salt, as given to ``find_cached_prefix``.
             block_hashes: the request's own chain (as given to ``find_cached_prefix``), extended
                 in place with the blocks it lacks; None: hashed afresh for this call.
+            keep: passed on to ``on_cached`` (the request belongs to a session a client named).
         """
         if not self.enable_caching:
             return
@@ -228,7 +230,7 @@ class KVCacheManager:
         )
         self._num_cached_blocks[request_id] = num_full_blocks
         if self.on_cached is not None:
-            self.on_cached(block_ids, block_hashes[start:num_full_blocks])
+            self.on_cached(block_ids, block_hashes[start:num_full_blocks], keep)
 
     def _extend_hashes(
         self,

@@ -130,6 +130,7 @@ def _disk(disk: dict[str, Any], markup: bool = True) -> str:
     oldest = disk["oldest_use_s"]
     line = (f"{disk['num_blocks']} blocks, {disk['num_bytes'] / 2**30:.2f} of "
             f"{disk['budget_bytes'] / 2**30:.1f} GiB"
+            f" ({disk.get('kept_bytes', 0) / 2**30:.2f} GiB sessions')"
             f"{f', oldest used {format_duration(oldest)} ago' if oldest is not None else ''}; "
             f"{disk['num_blocks_written']} written, {disk['num_blocks_read']} read back "
             f"({disk['num_loads']} loads, {disk['load_s']:.2f} s); {disk['directory']}")

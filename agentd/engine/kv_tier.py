@@ -12,6 +12,10 @@ Invariants:
   that verified (``take_landed``), so a block read wrong is never served: it is recomputed.
 - A disk that refuses a write (full, read-only) stops the writes with one warning; serving and
   reads go on.
+- A session's blocks are staged ``keep``: the store keeps them over anonymous prefixes
+  (:mod:`cache.disk_store`). ``keep`` stages the blocks a session found in the pool as well, once,
+  so that its whole prefix (a system prompt that an anonymous request computed first, say)
+  outlives other prefixes' churn, not only the blocks it computed itself.
 
 The pool's layers are ``[2, num_blocks, block_size, Hkv, D]`` underneath (keys, then values:
 :mod:`agentd.engine.model_runner`); a stored block is each layer's keys then values, layer by
@@ -48,6 +52,7 @@ class DiskTierStats:
     num_blocks: int
     num_bytes: int
     budget_bytes: int
+    kept_bytes: int  # of num_bytes, sessions' blocks (kept over anonymous prefixes)
     oldest_use_s: float | None
     num_blocks_written: int
     num_blocks_read: int
@@ -67,7 +72,11 @@ class NullDiskTier:
     def count_leading(self, block_hashes: Sequence[BlockHash]) -> int:
         return 0
 
-    def stage(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> None:
+    def stage(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash],
+              keep: bool = False) -> None:
+        pass
+
+    def keep(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> None:
         pass
 
     def load(self, job: LoadJob) -> None:
@@ -115,7 +124,7 @@ class DiskTier:
                              f"{2 * len(self._layers) * self._piece_bytes}")
         self.max_queue_bytes = max_queue_bytes
         self._lock = threading.Lock()
-        self._queued: set[BlockHash] = set()
+        self._queued: dict[BlockHash, bool] = {}  # staged, not yet written: kept or not
         self._writes: queue.Queue = queue.Queue()
         self._loads: queue.Queue = queue.Queue()
         self._landed: list[LoadJob] = []
@@ -135,25 +144,31 @@ class DiskTier:
         """How many of ``block_hashes``, from the first, the store holds without a gap."""
         return self.store.count_leading(block_hashes)
 
-    def stage(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> None:
-        """Queue newly registered full blocks for the disk (a copy of their KV; no I/O)."""
+    def stage(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash],
+              keep: bool = False) -> None:
+        """Queue newly registered full blocks for the disk (a copy of their KV; no I/O), kept
+        over anonymous prefixes where ``keep`` (a session's)."""
         if self.writes_stopped is not None:
             return
         with self._lock:
             new = [(b, h) for b, h in zip(block_ids, block_hashes, strict=True)
-                   if h not in self._queued and h not in self.store]
+                   if self._queued.get(h, -1) < keep and not self.store.holds(h, keep)]
             if not new:
                 return
             if (len(self._queued) + len(new)) * self.store.block_bytes > self.max_queue_bytes:
                 self.num_writes_dropped += len(new)
                 return
-            self._queued.update(h for _, h in new)
+            self._queued.update((h, keep) for _, h in new)
         ids = np.fromiter((b for b, _ in new), dtype=np.int64, count=len(new))
         staged = np.empty((len(new), 2 * len(self._layers), self._piece_bytes), np.uint8)
         for index, layer in enumerate(self._layers):
             np.take(layer[0], ids, axis=0, out=staged[:, 2 * index], mode="clip")
             np.take(layer[1], ids, axis=0, out=staged[:, 2 * index + 1], mode="clip")
-        self._writes.put(([h for _, h in new], staged))
+        self._writes.put(([h for _, h in new], staged, keep))
+
+    def keep(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> None:
+        """A session found these blocks in the pool: store them kept where they are not yet."""
+        self.stage(block_ids, block_hashes, keep=True)
 
     def load(self, job: LoadJob) -> None:
         """Read ``job``'s blocks into its pool blocks on the loader thread."""
@@ -173,18 +188,19 @@ class DiskTier:
     # --- the writer and the loader -----------------------------------------------------------
     def _write_loop(self) -> None:
         while (item := self._writes.get()) is not _STOP:
-            block_hashes, staged = item
+            block_hashes, staged, keep = item
             for block_hash, payload in zip(block_hashes, staged, strict=True):
                 try:
                     if self.writes_stopped is None:
-                        self.store.put(block_hash, [payload.reshape(-1)])
+                        self.store.put(block_hash, [payload.reshape(-1)], keep)
                 except OSError as exc:
                     self.writes_stopped = f"{type(exc).__name__}: {exc}"
                     logger.warning("the KV disk tier stopped writing (%s); blocks already on "
                                    "disk are still read, serving goes on", self.writes_stopped)
                 finally:
                     with self._lock:
-                        self._queued.discard(block_hash)
+                        if self._queued.get(block_hash) == keep:
+                            del self._queued[block_hash]
 
     def _load_loop(self) -> None:
         while (job := self._loads.get()) is not _STOP:
@@ -207,7 +223,7 @@ class DiskTier:
         store = self.store.stats()
         return DiskTierStats(
             str(self.store.directory), store.num_blocks, store.num_bytes, store.budget_bytes,
-            store.oldest_use_s, store.num_written, store.num_read, store.num_rejected,
+            store.kept_bytes, store.oldest_use_s, store.num_written, store.num_read, store.num_rejected,
             self.num_writes_dropped, len(self._queued), self.num_loads, self.load_s,
             self.writes_stopped)
 

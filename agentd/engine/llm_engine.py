@@ -327,6 +327,8 @@ class LLMEngine:
         self.runner.copy_kv(out.kv_copies)
         for job in out.loads:  # after the copies: one may touch a block the job writes
             self.disk.load(job)
+        for block_ids, block_hashes in out.keeps:  # likewise: read once they hold their KV
+            self.disk.keep(block_ids, block_hashes)
         if out.empty:
             if self.scheduler.loading:  # nothing to run until a load lands: no busy loop
                 self.disk.wait_for_landing(0.05)

@@ -44,6 +44,9 @@ class EngineRequest:
     keep_tail: bool = False  # a stored response: keep its last partial block once finished
     grammar: Any = None  # ``params.structured_outputs`` compiled, off the engine thread
     pin: PinRequest | None = None  # this request prefills a pin; it is registered as it ends
+    # the session a client named (prompt_cache_key, a coding agent's session header): the disk
+    # tier keeps its blocks over anonymous prefixes
+    session: str | None = None
 
 
 def check_prompt(prompt_token_ids: list[int], max_model_len: int,
@@ -105,6 +108,7 @@ class Request:
     keep_tail: bool = False
     pin: PinRequest | None = None
     grammar: Any = None
+    session: str | None = None
 
     @classmethod
     def of(cls, request_id: str, request: EngineRequest, max_output_tokens: int) -> Request:
@@ -112,7 +116,7 @@ class Request:
         return cls(request_id, list(request.prompt_token_ids), request.params,
                    max_output_tokens, request.cache_salt, request.owner,
                    retention=request.retention, keep_tail=request.keep_tail, pin=request.pin,
-                   grammar=request.grammar)
+                   grammar=request.grammar, session=request.session)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -92,6 +92,9 @@ class SchedulerOutput:
     # write a block the pool just handed a loading request (a cached block moved out of a
     # growing table's way, agentd.cache's allocate), and the loader must not race it
     loads: list[LoadJob] = field(default_factory=list)
+    # a named session's pool hits (block ids in its table, hashes), for the tier to keep; read
+    # once kv_copies have run, for the same reason
+    keeps: list[tuple[list[int], list[BlockHash]]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -247,6 +250,7 @@ class Scheduler:
             return False
         self.waiting.remove(request)
         self.loading[request.request_id] = request
+        self._keep_hits(request, cached, out)
         table = self.kv_cache.block_table(request.request_id)
         out.loads.append(LoadJob(request.request_id, wanted[:num_stored],
                                  table[first:first + num_stored], cached.num_tokens))
@@ -262,7 +266,8 @@ class Scheduler:
                 continue
             num_tokens = job.num_pool_tokens + job.num_loaded * self.kv_cache.block_size
             self.kv_cache.cache_blocks(request.request_id, request.all_token_ids, num_tokens,
-                                       request.cache_salt, request.block_hashes)
+                                       request.cache_salt, request.block_hashes,
+                                       request.session is not None)
             self.kv_cache.trim(request.request_id, num_tokens)
             request.num_computed_tokens = num_tokens
             if request.num_cached_tokens is None:
@@ -273,6 +278,14 @@ class Scheduler:
                 self.stats.prefix_cache_disk_hits += num_tokens - job.num_pool_tokens
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+
+    def _keep_hits(self, request: Request, cached: CachedPrefix, out: SchedulerOutput) -> None:
+        """A named session's pool hits are its prefix as much as what it computes: the tier
+        is to keep them too (``out.keeps``; the request is allocated)."""
+        if self.tier.enabled and request.session is not None and cached.block_ids:
+            num_hits = len(cached.block_ids)
+            out.keeps.append((self.kv_cache.block_table(request.request_id)[:num_hits],
+                              cached.block_hashes[:num_hits]))
 
     def _cached_prefix(self, request: Request) -> CachedPrefix:
         return self.kv_cache.find_cached_prefix(
@@ -409,6 +422,7 @@ class Scheduler:
                 out.failed_ids.append(request.request_id)
             return None
         self.waiting.remove(request)
+        self._keep_hits(request, cached, out)
         if extension is not None:
             first_new = self.kv_cache.block_table(request.request_id)[len(cached.block_ids)]
             self.kv_cache.copy_slots(extension.block_id, first_new, extension.num_tokens)
@@ -463,7 +477,7 @@ class Scheduler:
                 request.num_tokens)
             self.kv_cache.cache_blocks(request.request_id, request.all_token_ids,
                                        request.num_computed_tokens, request.cache_salt,
-                                       request.block_hashes)
+                                       request.block_hashes, request.session is not None)
             if request.status.finished:  # the output processor's decision
                 self._finish(request, request.status)
             elif num_rejected:

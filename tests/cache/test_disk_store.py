@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from agentd.cache import DiskKVStore, hash_block
-from cache.disk_store import HEADER_BYTES
+from cache.disk_store import HEADER_BYTES, KEEP_S
 
 BLOCK_BYTES = 4096
 RECORD_BYTES = HEADER_BYTES + BLOCK_BYTES
@@ -116,6 +116,46 @@ def test_the_budget_holds_and_the_least_recently_used_segment_leaves_first(
         again.put(key(i), [payload(i)])
     assert key(0) in again and key(12) in again and key(9) not in again
     assert again.num_bytes <= 12 * RECORD_BYTES
+
+
+def test_sessions_blocks_outlast_anonymous_ones_and_the_order_survives_a_reopen(
+        tmp_path: Path) -> None:
+    # segments of 2 records, room for 3 segments: kept blocks 0-1 (a session's), then anonymous
+    # churn, which evicts only anonymous segments however old the kept one is
+    def open_store() -> DiskKVStore:
+        return DiskKVStore(tmp_path / "s", BLOCK_BYTES, 6 * RECORD_BYTES, 2 * RECORD_BYTES)
+
+    store = open_store()
+    assert store.put(key(0), [payload(0)], keep=True) and store.put(key(1), [payload(1)], True)
+    for i in range(10, 30):
+        assert store.put(key(i), [payload(i)])
+        assert store.num_bytes <= 6 * RECORD_BYTES
+    assert store.holds(key(0), keep=True) and read(store, key(1)) == payload(1)
+    assert store.stats().kept_bytes == 2 * RECORD_BYTES
+    assert key(10) not in store and key(29) in store
+    # an anonymous copy is promoted by a kept put (written again); a kept one is not rewritten
+    assert not store.holds(key(28), keep=True) and store.put(key(28), [payload(28)], keep=True)
+    assert not store.put(key(28), [payload(28)], keep=True) and store.holds(key(28), True)
+    store.close()
+    again = open_store()  # the kept copies are found as kept; the oldest anonymous leave first
+    assert again.holds(key(0), True) and again.holds(key(28), True)
+    assert [p.name.endswith(".keep.seg") for p in segments(tmp_path / "s")].count(True) == 2
+    for i in range(30, 36):
+        again.put(key(i), [payload(i)])
+    assert all(again.holds(key(i), True) for i in (0, 1, 28))
+    assert read(again, key(28)) == payload(28) and again.num_bytes <= 6 * RECORD_BYTES
+
+
+def test_anonymous_blocks_never_evict_kept_ones_until_those_go_unused(tmp_path: Path) -> None:
+    store = DiskKVStore(tmp_path / "s", BLOCK_BYTES, 4 * RECORD_BYTES, 2 * RECORD_BYTES)
+    for i in range(4):
+        assert store.put(key(i), [payload(i)], keep=True)
+    assert not store.put(key(9), [payload(9)]) and key(9) not in store  # no room it may take
+    assert store.put(key(4), [payload(4)], keep=True)  # sessions make room among themselves
+    assert key(0) not in store and store.num_bytes <= 4 * RECORD_BYTES
+    for segment in store._segments.values():  # a day unused: kept no more
+        segment.last_used -= KEEP_S + 1
+    assert store.put(key(9), [payload(9)]) and read(store, key(9)) == payload(9)
 
 
 def test_a_budget_below_one_block_stores_nothing(tmp_path: Path) -> None:

@@ -32,10 +32,12 @@ def make_engine(model: Path, disk: Path | None) -> LLMEngine:
     return LLMEngine(config)
 
 
-def run(engine: LLMEngine, prompt: list[int], salt: str | None = None) -> tuple[list[int], int]:
+def run(engine: LLMEngine, prompt: list[int], salt: str | None = None,
+        session: str | None = None) -> tuple[list[int], int]:
     """Greedy tokens and cached prompt tokens of one request run alone."""
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    request_id = engine.add_request(EngineRequest(prompt, params, cache_salt=salt))
+    request_id = engine.add_request(EngineRequest(prompt, params, cache_salt=salt,
+                                                  session=session))
     tokens: list[int] = []
     cached = None
     while engine.has_unfinished_requests():
@@ -206,4 +208,37 @@ def test_a_load_into_blocks_moved_out_of_a_cached_prefix_corrupts_neither(model,
     assert run(engine, prompt_a) == (expected["a"], len(prompt_a) // BLOCK_SIZE * BLOCK_SIZE)
     assert engine.stats().kv_disk.num_blocks_rejected == 0
     engine.kv_cache.pool.check_integrity()
+    engine.close()
+
+
+def test_a_sessions_prefix_is_kept_on_disk_the_part_it_found_in_the_pool_too(
+        model, reference, tmp_path) -> None:
+    """An anonymous request computes the prompt: its blocks are stored anonymous. A named
+    session then extends it: the blocks it computes are stored kept, and so are the ones it
+    found in the pool (written again from the pool, once its step's copies ran); read back
+    after they left the pool, they hold the bytes they were computed with."""
+    ref_engine, prompt, expected = reference
+    engine = make_engine(model, tmp_path / "kv")
+    store = engine.disk.store
+    run(engine, prompt)
+    stored(engine, NUM_CACHED // BLOCK_SIZE)
+    hashes = engine.kv_cache.find_cached_prefix(prompt).block_hashes[:NUM_CACHED // BLOCK_SIZE]
+    assert not any(store.holds(h, keep=True) for h in hashes)
+    assert engine.stats().kv_disk.kept_bytes == 0
+
+    longer = prompt + prompts(5, 1, 64)[0]
+    run(engine, longer, session="claude-cli:session-1")
+    num_blocks = (len(longer) - 1) // BLOCK_SIZE
+    stored(engine, num_blocks)
+    chain = engine.kv_cache.find_cached_prefix(longer).block_hashes[:num_blocks]
+    assert chain[:len(hashes)] == hashes
+    assert all(store.holds(h, keep=True) for h in chain)
+    assert engine.stats().kv_disk.kept_bytes == num_blocks * store.record_bytes
+
+    evict(engine, prompt)
+    assert run(engine, prompt, session="claude-cli:session-1") == (expected, NUM_CACHED)
+    assert engine.stats().kv_disk.num_blocks_read == NUM_CACHED // BLOCK_SIZE
+    for loaded, computed in zip(pool_kv(engine, prompt), pool_kv(ref_engine, prompt),
+                                strict=True):
+        assert torch.equal(loaded, computed)
     engine.close()

@@ -2,13 +2,14 @@
 default model's tokenizer and template, a pool of 64 blocks) with its defaults, the disk tier in
 the state dir. An agent's prompt, evicted from the pool by other prompts, comes back with its
 whole prefix cached (read from disk, the same reply); after ``kill -9`` and a restart its first
-request hits too; ``agentd stats`` and ``/metrics`` say where the tokens came from, and
+request hits too (a named session's blocks are then kept); ``agentd stats`` and ``/metrics`` say where the tokens came from, and
 ``agentd cache clear`` empties the tier."""
 
 from __future__ import annotations
 
 import json
 import random
+import time
 from importlib import resources
 
 import httpx
@@ -73,8 +74,15 @@ def test_an_evicted_prompt_and_a_restart_read_the_prefix_from_disk(daemon) -> No
     daemon.start()
     assert httpx.get(f"{daemon.url}/v1/stats").json()["kv_disk"]["num_blocks"] >= \
         num_prompt // 16
-    assert ask(client, system, "Where is my order?") == (reply, num_prompt, num_prompt // 16 * 16)
+    # a session a client names (opencode's header): its blocks are kept over anonymous ones
+    session = client.with_options(default_headers={"x-session-id": "ses_1"})
+    assert ask(session, system, "Where is my order?") == (reply, num_prompt, num_prompt // 16 * 16)
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{daemon.url}/v1/stats").json()["kv_disk"]["kept_bytes"] == 0:
+        assert time.monotonic() < deadline, "the session's blocks were not kept"
+        time.sleep(0.1)
     metrics = httpx.get(f"{daemon.url}/metrics").text
+    assert "agentd:kv_disk_kept_bytes" in metrics
     hits = next(line for line in metrics.splitlines()
                 if line.startswith("agentd:kv_disk_hit_tokens_total"))
     assert float(hits.rsplit(" ", 1)[1]) >= num_prompt // 16 * 16

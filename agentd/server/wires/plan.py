@@ -98,11 +98,11 @@ async def start(request: Request[Any, Any, Any], server: ServerState, plan: Plan
     params = _fitted(request, server, plan, engine.max_model_len)
     grammar = await compile_constraint(engine, plan.constraint)
     tenant = cache_tenant(request)
+    key = session_key(request, plan.prompt_cache_key, plan.user_id)
     deltas = submit(engine, dataclasses.replace(
         wanted, params=params, cache_salt=effective_cache_salt(tenant, wanted.cache_salt),
-        owner=tenant, grammar=grammar), server.max_in_flight(engine))
+        owner=tenant, grammar=grammar, session=key), server.max_in_flight(engine))
     server.arrived(request.scope)
-    key = session_key(request, plan.prompt_cache_key, plan.user_id)
     server.observe_prompt(tenant, near_miss_group(request, key), wanted.prompt_token_ids)
     on_finish = partial(_finished, server, plan.model, tenant, key)
     return Running(deltas, events(deltas, plan.tool_mode, on_finish))

@@ -36,7 +36,7 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -149,6 +149,9 @@ class DiskKVStore:
         self._segments: dict[int, _Segment] = {}
         self._active: dict[bool, _Segment] = {}  # the segment each class appends to
         self.num_written = self.num_read = self.num_rejected = 0
+        # told the keys that enter and leave the store (KV events, medium DISK); set after open
+        self.on_stored: Callable[[list[BlockHash]], None] | None = None
+        self.on_removed: Callable[[list[BlockHash]], None] | None = None
         self._open()
 
     # --- open --------------------------------------------------------------------------------
@@ -219,6 +222,10 @@ class DiskKVStore:
     def __contains__(self, key: BlockHash) -> bool:
         return key in self._index
 
+    def keys(self) -> list[BlockHash]:
+        with self._lock:
+            return list(self._index)
+
     def holds(self, key: BlockHash, keep: bool = False) -> bool:
         """Whether the store has ``key`` (kept, where ``keep``: an anonymous copy does not
         count then)."""
@@ -286,9 +293,12 @@ class DiskKVStore:
             segment.num_bytes = offset + self.record_bytes
             segment.last_used = time.time()
             segment.keys.append(key)
+            new = key not in self._index  # else a kept copy of a stored block
             self._index[key] = _Location(segment.seg_id, offset + HEADER_BYTES,
                                          self.block_bytes, checksum, keep)
             self.num_written += 1
+            if new and self.on_stored is not None:
+                self.on_stored([key])
         return True
 
     def _writable(self, keep: bool) -> _Segment:
@@ -323,10 +333,14 @@ class DiskKVStore:
 
     def _remove(self, segment: _Segment) -> None:
         del self._segments[segment.seg_id]
+        removed = []
         for key in segment.keys:
             location = self._index.get(key)
             if location is not None and location.seg_id == segment.seg_id:
                 del self._index[key]
+                removed.append(key)
+        if removed and self.on_removed is not None:
+            self.on_removed(removed)
         segment.path.unlink(missing_ok=True)
         segment.dead = True
         if self._active.get(segment.keep) is segment:
@@ -379,6 +393,8 @@ class DiskKVStore:
             if self._index.get(key) == location:
                 del self._index[key]
                 self.num_rejected += 1
+                if self.on_removed is not None:
+                    self.on_removed([key])
 
     # --- housekeeping ------------------------------------------------------------------------
     def save_lru(self) -> None:

@@ -5,7 +5,10 @@ The wire is vLLM's: a ZMQ PUB socket sends ``(topic, seq, payload)`` frames, ``s
 big-endian counter from 0 and ``payload`` a msgpack ``EventBatch`` ``[ts, events, dp_rank]`` whose
 events are tag-first arrays: ``["BlockStored", block_hashes, parent_block_hash, token_ids,
 block_size, lora_id, medium, lora_name]``, ``["BlockRemoved", block_hashes, medium]``,
-``["AllBlocksCleared"]``. Block hashes are agentd's own 16-byte content hashes (msgpack bin). A
+``["AllBlocksCleared"]``. The pool's events carry medium ``CPU`` (``GPU`` on CUDA); the disk tier
+under it reports its own blocks with medium ``DISK``, hashes only (the pool's event for the same
+hash carried its tokens and parent), those it holds at start right after the ``AllBlocksCleared``.
+Block hashes are agentd's own 16-byte content hashes (msgpack bin). A
 ROUTER socket (``replay_endpoint``) answers a subscriber that sends an 8-byte start seq with every
 buffered batch from there, as ``(seq, payload)`` frames, then ``(-1, b"")``.
 
@@ -110,6 +113,15 @@ class KVEventPublisher:
 
     def removed(self, block_hash: BlockHash) -> None:
         self._queue.put(WireBlockRemoved([block_hash], self.medium))
+
+    # a tier under the pool (the disk's writer and loader threads): its own medium, and only
+    # the hashes (the pool's event for the same hash carried its tokens and parent)
+    def tier_stored(self, medium: str, block_hashes: Sequence[BlockHash]) -> None:
+        self._queue.put(WireBlockStored(list(block_hashes), None, [], self.block_size, None,
+                                        medium, None))
+
+    def tier_removed(self, medium: str, block_hashes: Sequence[BlockHash]) -> None:
+        self._queue.put(WireBlockRemoved(list(block_hashes), medium))
 
     def close(self, timeout_s: float = 2.0) -> None:
         """Send what is queued, then close the sockets."""

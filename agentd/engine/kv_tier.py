@@ -31,16 +31,19 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from agentd.cache import BlockHash, DiskKVStore, LoadJob
+from agentd.engine.kv_publisher import KVEventPublisher
 
 logger = logging.getLogger("agentd")
 DEFAULT_QUEUE_BYTES = 256 * 2**20
 MAX_DEFAULT_BUDGET_BYTES = 100 * 2**30
+MEDIUM = "DISK"  # the tier's KV events' medium
 _STOP = object()
 
 
@@ -219,6 +222,15 @@ class DiskTier:
                 self._landing.set()
 
     # --- the rest ----------------------------------------------------------------------------
+    def publish(self, publisher: KVEventPublisher) -> None:
+        """Report the store's blocks as KV events of medium ``DISK``: those it holds now, then
+        each that enters or leaves it."""
+        self.store.on_stored = partial(publisher.tier_stored, MEDIUM)
+        self.store.on_removed = partial(publisher.tier_removed, MEDIUM)
+        keys = self.store.keys()
+        for start in range(0, len(keys), 1024):
+            publisher.tier_stored(MEDIUM, keys[start:start + 1024])
+
     def stats(self) -> DiskTierStats:
         store = self.store.stats()
         return DiskTierStats(

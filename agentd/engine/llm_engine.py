@@ -188,6 +188,8 @@ class LLMEngine:
                                    config.enable_prefix_caching)
         if self.disk.enabled:
             self.kv_cache.on_cached = self.disk.stage
+            if isinstance(self.kv_events, KVEventPublisher):
+                self.disk.publish(self.kv_events)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.max_model_len,
                                    config.long_prefill_chunk,

@@ -252,3 +252,24 @@ def test_a_disk_that_refuses_a_write_leaves_the_written_blocks_readable(tmp_path
     store = DiskKVStore(tmp_path / "s", BLOCK_BYTES, 2**30)
     assert len(store) == 5 and store.num_bytes == 5 * RECORD_BYTES
     assert all(read(store, key(i)) == bytes([i]) * BLOCK_BYTES for i in range(5))
+
+
+def test_the_keys_that_enter_and_leave_are_reported_once_each(tmp_path: Path) -> None:
+    """What the KV events of medium DISK are made of: a promoted copy is no new block, a stale
+    copy that leaves with its segment no removed one."""
+    store = DiskKVStore(tmp_path / "s", BLOCK_BYTES, 3 * RECORD_BYTES, 2 * RECORD_BYTES)
+    stored: list[bytes] = []
+    removed: list[bytes] = []
+    store.on_stored, store.on_removed = stored.extend, removed.extend
+    for i in range(2):
+        store.put(key(i), [payload(i)])
+    store.put(key(0), [payload(0)], keep=True)  # promoted: written again, not new
+    assert stored == [key(0), key(1)] and removed == []
+    store.put(key(2), [payload(2)])  # the anonymous segment (0 stale, 1) leaves
+    assert removed == [key(1)] and set(store.keys()) == {key(0), key(2)}
+    (segment,) = [p for p in segments(tmp_path / "s") if p.name.endswith(".keep.seg")]
+    data = bytearray(segment.read_bytes())
+    data[HEADER_BYTES + 9] ^= 1
+    segment.write_bytes(data)
+    assert read(store, key(0)) is None and removed == [key(1), key(0)]
+    assert store.clear() == 1 and removed == [key(1), key(0), key(2)]

@@ -2,7 +2,9 @@
 subscriber that replays the stream as a router would. After a pin, requests that share prefixes,
 unique prompts worth twice the pool (evictions) and a restart that restores the pin, the
 subscriber's block set equals the pool's hashed blocks (``/admin/integrity``'s digest), and no
-block of the pin is ever reported removed.
+block of the pin is ever reported removed. The disk tier under the pool reports its own blocks
+(medium ``DISK``): the subscriber's disk set matches the store's block count, also after the
+restart (the blocks the store holds are announced again after ``AllBlocksCleared``).
 """
 
 from __future__ import annotations
@@ -33,18 +35,26 @@ class Subscriber:
         self.sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
         self.sub.connect(endpoint)
         self.replay_endpoint = replay_endpoint
-        self.blocks: set[bytes] = set()
+        self.blocks: set[bytes] = set()  # the pool's (medium CPU)
+        self.disk: set[bytes] = set()  # the disk tier's (medium DISK)
         self.last_seq: int | None = None
         self.topics: set[bytes] = set()
         self.removed: set[bytes] = set()  # every hash ever reported removed
 
     def apply(self, seq: int, payload: bytes) -> None:
         for event in decode_batch(payload).events:
-            if isinstance(event, WireBlockStored):
+            if isinstance(event, WireAllBlocksCleared):
+                self.blocks.clear()
+                self.disk.clear()
+            elif event.medium == "DISK":
+                if isinstance(event, WireBlockStored):
+                    self.disk.update(event.block_hashes)
+                else:
+                    self.disk.difference_update(event.block_hashes)
+            elif isinstance(event, WireBlockStored):
+                assert event.medium == "CPU"
                 assert len(event.token_ids) == len(event.block_hashes) * event.block_size
                 self.blocks.update(event.block_hashes)
-            elif isinstance(event, WireAllBlocksCleared):
-                self.blocks.clear()
             else:
                 self.blocks.difference_update(event.block_hashes)
                 self.removed.update(event.block_hashes)
@@ -57,6 +67,7 @@ class Subscriber:
         dealer.connect(self.replay_endpoint)
         dealer.send_multipart((b"", (0).to_bytes(8, "big")))
         self.blocks.clear()
+        self.disk.clear()
         while True:
             assert dealer.poll(10_000), "no answer from the replay socket"
             _, seq_bytes, payload = dealer.recv_multipart()
@@ -88,6 +99,17 @@ class Subscriber:
             assert time.monotonic() < deadline, (
                 f"the subscriber holds {len(self.blocks)} blocks, the pool "
                 f"{report['num_hashed_blocks']}, and they differ")
+
+    def sync_disk(self, url: str, timeout_s: float = 30.0) -> int:
+        """Drain until the disk set holds as many blocks as the store, its writes done."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.drain()
+            disk = httpx.get(f"{url}/v1/stats", timeout=30).json()["kv_disk"]
+            if not disk["write_queue_blocks"] and len(self.disk) == disk["num_blocks"]:
+                return disk["num_blocks"]
+            assert time.monotonic() < deadline, (len(self.disk), disk)
+            time.sleep(0.05)
 
     def close(self) -> None:
         self.sub.close(0)
@@ -135,6 +157,8 @@ def test_events_replay_to_the_pool_through_pins_evictions_and_a_restart(
         assert not subscriber.removed & pin_blocks, "a pinned block was reported removed"
         assert pin_blocks <= subscriber.blocks
         assert report["num_blocks_pinned"] == pinned.json()["num_blocks"]  # its tail too
+        assert subscriber.sync_disk(daemon.url) > len(subscriber.blocks)  # more than the pool's
+        assert subscriber.blocks & subscriber.disk
 
         daemon.kill()  # kill -9: the pin comes back from its snapshot on restart
         daemon.start()
@@ -142,6 +166,8 @@ def test_events_replay_to_the_pool_through_pins_evictions_and_a_restart(
         subscriber.resync()
         report = subscriber.sync_with(daemon.url)
         assert subscriber.blocks >= pin_blocks
+        on_disk = subscriber.sync_disk(daemon.url)
+        assert on_disk > 0 and subscriber.disk - subscriber.blocks  # evicted, still on disk
         completion(daemon.url, stem + [7])
         subscriber.sync_with(daemon.url)
         assert subscriber.topics == {f"kv@127.0.0.1:{daemon.port}@tiny-llama".encode()}

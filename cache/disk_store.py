@@ -254,7 +254,8 @@ class DiskKVStore:
             oldest = min((seg.last_used for seg in segments), default=None)
             return DiskStoreStats(
                 len(self._index), sum(seg.num_bytes for seg in segments), self.budget_bytes,
-                sum(seg.num_bytes for seg in segments if seg.keep), len(segments), None if oldest is None else max(0.0, time.time() - oldest),
+                sum(seg.num_bytes for seg in segments if seg.keep), len(segments),
+                None if oldest is None else max(0.0, time.time() - oldest),
                 self.num_written, self.num_read, self.num_rejected)
 
     # --- write -------------------------------------------------------------------------------

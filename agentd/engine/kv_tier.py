@@ -235,9 +235,9 @@ class DiskTier:
         store = self.store.stats()
         return DiskTierStats(
             str(self.store.directory), store.num_blocks, store.num_bytes, store.budget_bytes,
-            store.kept_bytes, store.oldest_use_s, store.num_written, store.num_read, store.num_rejected,
-            self.num_writes_dropped, len(self._queued), self.num_loads, self.load_s,
-            self.writes_stopped)
+            store.kept_bytes, store.oldest_use_s, store.num_written, store.num_read,
+            store.num_rejected, self.num_writes_dropped, len(self._queued), self.num_loads,
+            self.load_s, self.writes_stopped)
 
     def clear(self) -> int:
         """Remove every stored block (the pool keeps its own); returns how many there were."""

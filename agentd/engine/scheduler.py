@@ -280,12 +280,10 @@ class Scheduler:
             self.running.append(request)
 
     def _keep_hits(self, request: Request, cached: CachedPrefix, out: SchedulerOutput) -> None:
-        """A named session's pool hits are its prefix as much as what it computes: the tier
-        is to keep them too (``out.keeps``; the request is allocated)."""
-        if self.tier.enabled and request.session is not None and cached.block_ids:
-            num_hits = len(cached.block_ids)
-            out.keeps.append((self.kv_cache.block_table(request.request_id)[:num_hits],
-                              cached.block_hashes[:num_hits]))
+        """A named session's pool hits (it is allocated) are its prefix too: the tier keeps them."""
+        if self.tier.enabled and request.session is not None and (n := len(cached.block_ids)):
+            out.keeps.append((self.kv_cache.block_table(request.request_id)[:n],
+                              cached.block_hashes[:n]))
 
     def _cached_prefix(self, request: Request) -> CachedPrefix:
         return self.kv_cache.find_cached_prefix(

@@ -2,8 +2,8 @@
 default model's tokenizer and template, a pool of 64 blocks) with its defaults, the disk tier in
 the state dir. An agent's prompt, evicted from the pool by other prompts, comes back with its
 whole prefix cached (read from disk, the same reply); after ``kill -9`` and a restart its first
-request hits too (a named session's blocks are then kept); ``agentd stats`` and ``/metrics`` say where the tokens came from, and
-``agentd cache clear`` empties the tier."""
+request hits too (a named session's blocks are then kept); ``agentd stats`` and ``/metrics`` say
+where the tokens came from, and ``agentd cache clear`` empties the tier."""
 
 from __future__ import annotations
 

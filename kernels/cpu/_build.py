@@ -43,7 +43,7 @@ SOURCE_DIR = Path(__file__).resolve().parent
 # offered only then (dispatch.cpp links them as weak symbols).
 CORE_SOURCES = ("bindings.cpp", "dispatch.cpp", "simple_scalar.cpp", "simple_avx2.cpp",
                 "simple_avx512.cpp", "ops_bindings.cpp", "ops_scalar.cpp", "ops_avx2.cpp",
-                "ops_avx512.cpp")
+                "ops_avx512.cpp", "ops_prefill_bf16.cpp")
 # -fopenmp: at::parallel_for is inline code that runs its body on the calling thread alone
 # unless the file is compiled with OpenMP (_OPENMP); linked with it, the library needs
 # libgomp.so.1, which is torch's own copy once torch is loaded (one thread pool, sized by

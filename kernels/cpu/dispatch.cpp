@@ -132,6 +132,11 @@ int best_isa() {
   return kIsaScalar;
 }
 
+bool cpu_has_avx512_bf16() {
+  __builtin_cpu_init();
+  return best_isa() == kIsaAvx512 && __builtin_cpu_supports("avx512bf16");
+}
+
 bool type_kernels(int type_id, int isa, TypeKernels* out) {
   const TypeEntry* e = find_type(type_id);
   if (e == nullptr || e->dequant[kIsaScalar] == nullptr) return false;

@@ -28,6 +28,8 @@ struct TypeKernels {
 
 // The best ISA this CPU and OS support (cpuid and XCR0 via __builtin_cpu_supports).
 int best_isa();
+// Whether the CPU has AVX512-BF16 (vdpbf16ps), beside best_isa() == kIsaAvx512.
+bool cpu_has_avx512_bf16();
 // The kernels of a ggml type at an ISA (each function falling back to the nearest lower ISA that
 // has one); false when the type has no kernels compiled in.
 bool type_kernels(int type_id, int isa, TypeKernels* out);

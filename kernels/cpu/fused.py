@@ -12,12 +12,16 @@ and ~2 ulp in exp); the pool's dtype is written by rounding to nearest even, as 
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
 from agentd.kernels import cpu as _cpu
 from agentd.kernels.decode_attention import torch_decode_attention
 from agentd.kernels.kv_write import reference_write_kv
+
+BF16_ENV = "AGENTD_PREFILL_BF16"  # "1": prefill attention's products in bfloat16
 
 
 def _native_isa() -> int | None:
@@ -35,6 +39,29 @@ def decode_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: 
         return torch_decode_attention(query, kv_cache, block_tables, seq_lens, scale)
     return _cpu._native().module.decode_attention(query, kv_cache, block_tables, seq_lens,
                                                   scale, isa)
+
+
+def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                      query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                      bf16: bool | None = None) -> torch.Tensor:
+    """:func:`agentd.kernels.prefill_attention.reference_prefill_attention`'s contract in C++
+    (``ops_prefill.h``): each chunk's rows against their context read in the pool's dtype in
+    place, tile by tile; softmax and sums in fp32. ``bf16``: the products in bfloat16 where the
+    CPU has AVX512-BF16 (~1.5x faster; outputs off by up to ~1% of their scale, where fp32
+    products are off by ~1e-6). Default: off, unless ``AGENTD_PREFILL_BF16=1`` and the pool is
+    float16/bfloat16 (never the exact mode's float32 pool): a prompt's rows would otherwise
+    differ from a decode row's (fp32) by more than rounding, so a cache hit and a miss could
+    pick different tokens at a near-tie."""
+    isa = _native_isa()
+    if isa is None or query.dtype != torch.float32:
+        from agentd.kernels.prefill_attention import torch_prefill_attention
+
+        return torch_prefill_attention(query, kv_cache, block_tables, query_start_loc,
+                                       seq_lens, scale)
+    if bf16 is None:
+        bf16 = kv_cache.dtype != torch.float32 and os.environ.get(BF16_ENV) == "1"
+    return _cpu._native().module.prefill_attention(query, kv_cache, block_tables,
+                                                   query_start_loc, seq_lens, scale, bf16, isa)
 
 
 def reference_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

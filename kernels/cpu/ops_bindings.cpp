@@ -12,6 +12,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <map>
 #include <vector>
 
@@ -204,6 +205,87 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
   return out;
 }
 
+// One task of prefill_attention: some rows of one sequence, the query heads of one KV head.
+struct ChunkTask {
+  int64_t seq, row0;  // its first row, within the batch's query
+  int num_rows, first_pos, kh;
+  int64_t cost;  // slots times rows, to hand the longest out first
+};
+
+at::Tensor prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache,
+                             const at::Tensor& block_tables, const at::Tensor& query_start_loc,
+                             const at::Tensor& seq_lens, double scale, bool bf16, int64_t isa) {
+  check_float_rows(query, "query", 3);
+  TORCH_CHECK(query.stride(1) == query.size(2), "query's heads must be contiguous");
+  const KvLayout kv = kv_layout(kv_cache);
+  const int64_t T = query.size(0), H = query.size(1), S = seq_lens.size(0);
+  TORCH_CHECK(query.size(2) == kv.head_dim && H % kv.num_kv_heads == 0,
+              "query [T, H, D] must have the pool's head_dim and a multiple of its KV heads");
+  const int64_t G = H / kv.num_kv_heads;
+  TORCH_CHECK(G <= agentd_cpu::kChunkQueries, "at most ", agentd_cpu::kChunkQueries,
+              " query heads per KV head");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
+                  block_tables.size(0) == S && block_tables.stride(1) == 1,
+              "block_tables must be int32 [S, max_blocks] with contiguous rows");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 &&
+                  seq_lens.is_contiguous(), "seq_lens must be a contiguous int32 [S] tensor");
+  TORCH_CHECK(query_start_loc.scalar_type() == at::kInt && query_start_loc.dim() == 1 &&
+                  query_start_loc.size(0) == S + 1 && query_start_loc.is_contiguous(),
+              "query_start_loc must be a contiguous int32 [S + 1] tensor");
+  at::Tensor out = at::empty({T, H, kv.head_dim}, query.options());
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* starts = query_start_loc.data_ptr<int32_t>();
+  const int64_t max_blocks = block_tables.size(1);
+  const int rows_per_task = static_cast<int>(std::max<int64_t>(1, agentd_cpu::kChunkQueries / G));
+  std::vector<ChunkTask> tasks;
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t n = starts[s + 1] - starts[s];
+    TORCH_CHECK(n >= 0 && starts[s] >= 0 && starts[s + 1] <= T, "query_start_loc[", s,
+                "] is outside the query");
+    TORCH_CHECK(lens[s] >= n && (lens[s] + kv.block_size - 1) / kv.block_size <= max_blocks,
+                "seq_lens[", s, "] = ", lens[s], " does not fit its chunk or block table");
+    for (int64_t b = 0; b < (lens[s] + kv.block_size - 1) / kv.block_size; ++b) {
+      const int32_t blk = tables[s * block_tables.stride(0) + b];
+      TORCH_CHECK(blk >= 0 && blk < kv_cache.size(0), "block ", blk, " is outside the pool");
+    }
+    for (int64_t r = 0; r < n; r += rows_per_task) {
+      const int rows = static_cast<int>(std::min<int64_t>(rows_per_task, n - r));
+      const int first_pos = static_cast<int>(lens[s] - n + r);
+      for (int kh = 0; kh < kv.num_kv_heads; ++kh) {
+        tasks.push_back({s, starts[s] + r, rows, first_pos, kh,
+                         int64_t{first_pos + rows} * rows});
+      }
+    }
+  }
+  if (tasks.empty()) return out;
+  std::stable_sort(tasks.begin(), tasks.end(),
+                   [](const ChunkTask& a, const ChunkTask& b) { return a.cost > b.cost; });
+  const OpsKernels& ops = agentd_cpu::ops_kernels(static_cast<int>(isa));
+  agentd_cpu::AttendChunkFn attend = ops.attend_chunk;
+  if (bf16 && isa == agentd_cpu::kIsaAvx512 && kv.head_dim % 16 == 0 &&
+      agentd_cpu::attend_chunk_bf16_kernel() != nullptr) {
+    attend = agentd_cpu::attend_chunk_bf16_kernel();
+  }
+  const float* q = query.data_ptr<float>();
+  float* dst = out.data_ptr<float>();
+  const int64_t num_tasks = static_cast<int64_t>(tasks.size());
+  std::atomic<int64_t> next{0};  // handed out longest first, to whichever thread is free
+  py::gil_scoped_release no_gil;
+  at::parallel_for(0, std::min<int64_t>(num_tasks, at::get_num_threads()), 1,
+                   [&](int64_t, int64_t) {
+    std::vector<float> scratch(agentd_cpu::chunk_scratch_floats(kv.head_dim));
+    for (int64_t i = next++; i < num_tasks; i = next++) {
+      const ChunkTask& t = tasks[i];
+      attend(kv, q + t.row0 * query.stride(0), query.stride(0), static_cast<int>(H),
+                       static_cast<float>(scale), tables + t.seq * block_tables.stride(0),
+                       t.first_pos, t.num_rows, t.kh, dst + t.row0 * out.stride(0),
+                       out.stride(0), scratch.data());
+    }
+  });
+  return out;
+}
+
 // Rows of [n, K] at a time over the threads, when there are enough to pay for a hand-off.
 template <typename Fn>
 void over_rows(int64_t n, int64_t K, Fn fn) {
@@ -315,6 +397,11 @@ void rope_write_kv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
 void register_ops(py::module_& m) {
   m.def("decode_attention", &decode_attention,
         "out[S, H, D]: paged decode attention, shared leading blocks read once per group");
+  m.def("prefill_attention", &prefill_attention,
+        "out[T, H, D]: paged causal attention of prefill chunks, the context read in place "
+        "(bf16: products in bfloat16 where the CPU has AVX512-BF16)");
+  m.def("has_bf16_attention", [] { return agentd_cpu::attend_chunk_bf16_kernel() != nullptr; },
+        "whether prefill_attention can take its products in bfloat16 here");
   m.def("add_rms_norm", &add_rms_norm, "residual += x; out = rms_norm(residual) * weight",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("isa"));
   m.def("silu_mul", &silu_mul, "out[n, I] = silu(gate_up[:, :I]) * gate_up[:, I:]");

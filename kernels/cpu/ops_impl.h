@@ -3,7 +3,8 @@
 // scalar build), which choose the vector shim (ops_vec.h); every other loop is plain C++ that
 // GCC vectorizes under the file's target (no-trapping-math: selects on floats, as in the clamps
 // of exp_fast, are only if-converted without traps; nothing here reads FP flags). Attention is
-// ops_attention.h, the KV-row store ops_convert.h; the norm, SiLU and rotary are here.
+// ops_attention.h (decode) and ops_prefill.h (prefill), the KV-row store ops_convert.h; the
+// norm, SiLU and rotary are here.
 //
 // Invariant: internal linkage only (an anonymous namespace), so no instruction set leaks across
 // the ISA files through the linker.
@@ -15,6 +16,7 @@
 #include "ops.h"
 #include "ops_attention.h"
 #include "ops_convert.h"
+#include "ops_prefill.h"
 #include "ops_vec.h"
 
 namespace agentd_cpu {
@@ -54,7 +56,8 @@ void rope(float* x, int num_heads, int64_t head_stride, int head_dim, const floa
   }
 }
 
-constexpr OpsKernels kOps = {attend_span, merge_spans, add_rms_norm, silu_mul, rope, store_row};
+constexpr OpsKernels kOps = {attend_span, merge_spans, add_rms_norm, silu_mul,
+                             rope,        store_row,   attend_chunk};
 
 }  // namespace
 }  // namespace agentd_cpu

@@ -101,23 +101,23 @@ def _chunks_behind_prefixes(gen: torch.Generator, rows: list[int], cached: list[
 
 @pytest.mark.parametrize("kv_dtype", POOL_DTYPES)
 @pytest.mark.parametrize(("rows", "cached", "path"), [
-    ([9], [200], "kernel"),  # a speculative step: 8 drafts behind a prompt
-    ([3, 1, 9], [40, 77, 0], "kernel"),  # several, one of them without a cached token
-    ([9, 10], [64, 3], "torch"),  # a chunk over SHORT_CHUNK_ROWS
+    ([9], [200], "decode"),  # a speculative step: 8 drafts behind a prompt
+    ([3, 1, 9], [40, 77, 0], "decode"),  # several, one of them without a cached token
+    ([9, 10], [64, 3], "prefill"),  # a chunk over SHORT_CHUNK_ROWS
 ])
 def test_the_cpu_backend_prefills_short_chunks_as_decode_rows(kv_dtype, rows, cached, path, isa,
                                                               generator, monkeypatch):
     # kernels/backend.py cpu_prefill: short chunks in an fp16/bf16 pool run on the decode kernel,
-    # each row over the keys up to its own; fp32 pools and long chunks on torch's prefill path
+    # each row over the keys up to its own; fp32 pools and longer chunks on the prefill kernel
     from agentd.kernels import backend
     from agentd.kernels.prefill_attention import reference_prefill_attention
 
     calls: list[str] = []
-    kernel, prefill = fused.decode_attention, backend.torch_prefill_attention
+    decode, prefill = fused.decode_attention, fused.prefill_attention
     monkeypatch.setattr(fused, "decode_attention",
-                        lambda *args: calls.append("kernel") or kernel(*args))
-    monkeypatch.setattr(backend, "torch_prefill_attention",
-                        lambda *args: calls.append("torch") or prefill(*args))
+                        lambda *args: calls.append("decode") or decode(*args))
+    monkeypatch.setattr(fused, "prefill_attention",
+                        lambda *args: calls.append("prefill") or prefill(*args))
     block_size, num_kv_heads, head_dim = 16, 2, 64
     kv_cache = torch.randn(96, 2, block_size, num_kv_heads, head_dim, generator=generator)
     tables, starts, lens = _chunks_behind_prefixes(generator, rows, cached, block_size)
@@ -127,7 +127,62 @@ def test_the_cpu_backend_prefills_short_chunks_as_decode_rows(kv_dtype, rows, ca
         query, pool, tables, starts, lens, 0.125)
     expected = reference_prefill_attention(query, pool.float(), tables, starts, lens, 0.125)
     torch.testing.assert_close(actual, expected, atol=2e-5, rtol=2e-5)
-    assert calls == ["torch" if kv_dtype == torch.float32 else path]
+    assert calls == ["prefill" if kv_dtype == torch.float32 else path]
+
+
+@pytest.mark.parametrize("kv_dtype", POOL_DTYPES)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"),
+                         [(4, 4, 64), (9, 3, 64), (8, 1, 128), (6, 2, 80), (4, 2, 40)])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_prefill_attention_matches_the_reference_and_reads_no_unused_slot(
+        kv_dtype, num_heads, num_kv_heads, head_dim, block_size, isa, generator):
+    """ops_prefill.h: chunks of 1 to 150 rows behind 0 to ~300 cached tokens (tiles of 64
+    slots and of 64 query lanes cut anywhere), several in one call; the pool's slots past each
+    context hold NaN, so a slot read that should not be shows."""
+    from agentd.kernels.prefill_attention import reference_prefill_attention
+
+    rows, cached = [150, 1, 37, 64], [0, 290, 63, 129]
+    tables, starts, lens = _chunks_behind_prefixes(generator, rows, cached, block_size)
+    planes = torch.randn(2, 96, block_size, num_kv_heads, head_dim, generator=generator)
+    clean = planes.transpose(0, 1).contiguous()
+    pool = torch.full_like(clean, float("nan"))
+    for table, length in zip(tables.tolist(), lens.tolist(), strict=True):
+        for slot in range(length):
+            block, offset = table[slot // block_size], slot % block_size
+            pool[block, :, offset] = clean[block, :, offset]
+    query = torch.randn(sum(rows), num_heads, head_dim, generator=generator)
+    expected = reference_prefill_attention(query, clean.to(kv_dtype).float(), tables, starts,
+                                           lens, 0.125)
+    # the torch path may read a partial block's unused slots (masked after): its pool is clean
+    actual = fused.prefill_attention(query, (clean if isa == "torch" else pool).to(kv_dtype),
+                                     tables, starts, lens, 0.125, bf16=False)
+    assert not actual.isnan().any(), "a NaN (unused) slot of the pool was read"
+    torch.testing.assert_close(actual, expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
+def test_prefill_attention_in_bfloat16_products_stays_near_the_fp32_reference(
+        kv_dtype, generator):
+    """``bf16=True`` (vdpbf16ps, where the CPU has AVX512-BF16): queries, keys, weights and
+    values rounded to bfloat16, sums in fp32; the outputs' error stays that of the rounding
+    (bfloat16 keeps 8 bits: ~0.4% of a value)."""
+    from agentd.kernels import cpu
+    from agentd.kernels.prefill_attention import reference_prefill_attention
+
+    if cpu.active_isa() != "avx512_vnni" or not cpu._native().module.has_bf16_attention():
+        pytest.skip("this CPU has no AVX512-BF16: prefill attention's products stay fp32")
+    block_size, num_heads, num_kv_heads, head_dim = 16, 8, 2, 64
+    rows, cached = [200, 9, 70], [1000, 0, 33]
+    tables, starts, lens = _chunks_behind_prefixes(generator, rows, cached, block_size, 256)
+    kv_cache = torch.randn(256, 2, block_size, num_kv_heads, head_dim, generator=generator)
+    pool = kv_cache.to(kv_dtype)
+    query = torch.randn(sum(rows), num_heads, head_dim, generator=generator)
+    expected = reference_prefill_attention(query, pool.float(), tables, starts, lens, 0.125)
+    actual = fused.prefill_attention(query, pool, tables, starts, lens, 0.125, bf16=True)
+    error = (actual - expected).abs()
+    assert error.max() < 0.02 and error.mean() < 2e-3, (error.max(), error.mean())
+    exact = fused.prefill_attention(query, pool, tables, starts, lens, 0.125, bf16=False)
+    assert (exact - expected).abs().max() < 2e-5 < error.max()  # it did take the bf16 path
 
 
 def test_decode_attention_rejects_a_block_outside_the_pool(isa):

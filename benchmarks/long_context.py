@@ -1,0 +1,166 @@
+"""Agent-length prompts on one GGUF file, agentd against llama-server side by side in one run.
+
+For each prompt length it sends, to each server alone and one after the other: a cold prompt of
+that many tokens (random ids of the file's vocabulary, the same for both servers) answered with
+``--max-tokens`` greedy tokens (cold TTFT, then decode tok/s at that context), then a warm turn:
+the same prompt plus ``--turn`` new tokens, one output token (its TTFT is the new tokens' prefill
+over the cached prefix). Each prompt length starts from other random ids, so nothing of a shorter
+one is reused. Peak RSS is the server's VmHWM at the end.
+
+    .venv/bin/python benchmarks/long_context.py --gguf synth-1.7b-Q4_K_M.gguf \\
+        [--llama-server PATH] [--tokens 4096,16384] [--turn 300] [--threads 2]
+
+llama-server runs ``-fa on -np 1 -c CONTEXT -t THREADS`` (f16 KV); agentd ``agentd start --model
+GGUF --max-model-len CONTEXT --num-threads THREADS --no-kv-disk`` plus ``--agentd-args``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from agentd.bench.machine import cpu_line
+from agentd.bench.rss import read_status_bytes
+from agentd.bench.spawn import SpawnedDaemon, free_port
+
+
+def stream(url: str, prompt: list[int], max_tokens: int) -> tuple[float, float | None]:
+    """(TTFT, decode tok/s after the first token) of one greedy streamed completion."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "model": "m"}
+    started = time.perf_counter()
+    first = last = None
+    tokens = 0
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=3600) as reply:
+        reply.raise_for_status()
+        for line in reply.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            if not json.loads(line[6:])["choices"][0].get("text"):
+                continue
+            now = time.perf_counter()
+            first = first or now
+            last = now
+            tokens += 1
+    if first is None:
+        raise RuntimeError("no token came back")
+    rate = (tokens - 1) / (last - first) if tokens > 1 and last > first else None
+    return first - started, rate
+
+
+class LlamaServer:
+    def __init__(self, binary: str, gguf: str, context: int, threads: int) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log",
+                                               delete=False)
+        self.process = subprocess.Popen(
+            [binary, "-m", gguf, "-c", str(context), "-np", "1", "-fa", "on", "-t", str(threads),
+             "--host", "127.0.0.1", "--port", str(self.port)],
+            stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if self.process.poll() is not None:
+                raise RuntimeError(f"llama-server exited; see {self.log.name}")
+            time.sleep(0.2)
+        raise RuntimeError("llama-server did not come up")
+
+    def peak_rss_mib(self) -> float:
+        return (read_status_bytes(self.process.pid, "VmHWM") or 0) / 2**20
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(60)
+
+
+class Agentd:
+    def __init__(self, gguf: str, context: int, threads: int, extra: list[str]) -> None:
+        self.daemon = SpawnedDaemon(Path(tempfile.mkdtemp(prefix="agentd-long-")) / "state",
+                                    "--model", gguf, "--max-model-len", str(context),
+                                    "--num-threads", str(threads), "--no-kv-disk", *extra,
+                                    ready_timeout_s=900)
+        self.daemon.start()
+        self.url = self.daemon.url
+
+    def peak_rss_mib(self) -> float:
+        assert self.daemon.process is not None
+        return (read_status_bytes(self.daemon.process.pid, "VmHWM") or 0) / 2**20
+
+    def stop(self) -> None:
+        self.daemon.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--gguf", required=True)
+    parser.add_argument("--llama-server", default=None, help="a llama-server binary")
+    parser.add_argument("--tokens", default="4096,16384", help="prompt lengths, comma-separated")
+    parser.add_argument("--turn", type=int, default=300, help="a warm turn's new tokens")
+    parser.add_argument("--max-tokens", type=int, default=16, help="cold request's output")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=49152, help="ids drawn below this")
+    parser.add_argument("--agentd-args", default="", help="more `agentd start` options")
+    parser.add_argument("--servers", default="agentd,llama")
+    args = parser.parse_args()
+    lengths = [int(n) for n in args.tokens.split(",")]
+    context = max(lengths) + args.turn + args.max_tokens + 64
+    print(cpu_line())
+    print(f"{args.gguf}: prompts {lengths}, warm turn +{args.turn}, context {context}, "
+          f"{args.threads} threads", flush=True)
+    rng = random.Random(0)
+    prompts = {n: [rng.randrange(1000, args.vocab - 1000) for _ in range(n)] for n in lengths}
+    turns = {n: [rng.randrange(1000, args.vocab - 1000) for _ in range(args.turn)]
+             for n in lengths}
+    rows = []
+    for name in args.servers.split(","):
+        if name == "llama" and not args.llama_server:
+            print("llama-server: skipped (no --llama-server)")
+            continue
+        started = time.perf_counter()
+        server = (Agentd(args.gguf, context, args.threads, shlex.split(args.agentd_args))
+                  if name == "agentd" else
+                  LlamaServer(args.llama_server, args.gguf, context, args.threads))
+        print(f"{name}: ready in {time.perf_counter() - started:.1f} s", flush=True)
+        try:
+            for n in lengths:
+                cold, rate = stream(server.url, prompts[n], args.max_tokens)
+                warm, _ = stream(server.url, prompts[n] + turns[n], 1)
+                row = (name, n, cold, rate, warm, server.peak_rss_mib())
+                rows.append(row)
+                print(f"  {n} tokens: cold TTFT {cold:.2f} s ({n / cold:.0f} tok/s), decode "
+                      f"{rate or 0:.2f} tok/s, warm turn (+{args.turn}) TTFT {warm:.2f} s, "
+                      f"peak RSS {row[5]:.0f} MiB", flush=True)
+        finally:
+            server.stop()
+    print("\n| server | prompt | cold TTFT | prefill tok/s | decode tok/s | warm TTFT "
+          f"(+{args.turn}) | peak RSS |")
+    print("|---|---|---|---|---|---|---|")
+    for name, n, cold, rate, warm, rss in rows:
+        print(f"| {name} | {n:,} | {cold:.1f} s | {n / cold:.0f} | {rate or 0:.2f} | "
+              f"{warm:.2f} s | {rss:,.0f} MiB |")
+    by = {(r[0], r[1]): r for r in rows}
+    for n in lengths:
+        a, b = by.get(("agentd", n)), by.get(("llama", n))
+        if a and b:
+            print(f"{n:,} tokens, agentd / llama-server: cold TTFT {a[2] / b[2]:.2f}x, decode "
+                  f"{(a[3] or 0) / (b[3] or 1):.2f}x, warm TTFT {a[4] / b[4]:.2f}x, RSS "
+                  f"{a[5] / b[5]:.2f}x")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

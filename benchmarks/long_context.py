@@ -8,7 +8,11 @@ over the cached prefix). Each prompt length starts from other random ids, so not
 one is reused. Peak RSS is the server's VmHWM at the end.
 
     .venv/bin/python benchmarks/long_context.py --gguf synth-1.7b-Q4_K_M.gguf \\
-        [--llama-server PATH] [--tokens 4096,16384] [--turn 300] [--threads 2]
+        [--llama-server PATH] [--tokens 4096,16384] [--turn 300] [--threads 2] [--tier]
+
+``--tier`` then measures the disk tier at the longest length: two sessions that the pool cannot
+hold together, a turn of the evicted one (read back from disk), ``kill -9``, a start and its next
+turn, against its cold prefill and a warm turn.
 
 llama-server runs ``-fa on -np 1 -c CONTEXT -t THREADS`` (f16 KV); agentd ``agentd start --model
 GGUF --max-model-len CONTEXT --num-threads THREADS --no-kv-disk`` plus ``--agentd-args``.
@@ -88,10 +92,12 @@ class LlamaServer:
 
 
 class Agentd:
-    def __init__(self, gguf: str, context: int, threads: int, extra: list[str]) -> None:
+    def __init__(self, gguf: str, context: int, threads: int, extra: list[str],
+                 disk: bool = False) -> None:
         self.daemon = SpawnedDaemon(Path(tempfile.mkdtemp(prefix="agentd-long-")) / "state",
                                     "--model", gguf, "--max-model-len", str(context),
-                                    "--num-threads", str(threads), "--no-kv-disk", *extra,
+                                    "--num-threads", str(threads),
+                                    *([] if disk else ["--no-kv-disk"]), *extra,
                                     ready_timeout_s=900)
         self.daemon.start()
         self.url = self.daemon.url
@@ -102,6 +108,54 @@ class Agentd:
 
     def stop(self) -> None:
         self.daemon.stop()
+
+
+def tier_run(args: argparse.Namespace, length: int, context: int) -> None:
+    """The disk tier at this length: session A cold, B cold (the pool, ``--tier-pool``, holds
+    one of them: A's blocks leave it), A's next turn (read back from disk), ``kill -9`` and a
+    start, A's next turn (from disk again), then one more (from the pool: a warm turn)."""
+    rng = random.Random(1)
+    a = [rng.randrange(1000, args.vocab - 1000) for _ in range(length)]
+    b = [rng.randrange(1000, args.vocab - 1000) for _ in range(length)]
+    turns = [[rng.randrange(1000, args.vocab - 1000) for _ in range(args.turn)]
+             for _ in range(3)]
+    server = Agentd(args.gguf, context, args.threads,
+                    ["--kv-cache-memory", args.tier_pool, *shlex.split(args.agentd_args)],
+                    disk=True)
+    url = server.url
+    try:
+        cold_a, _ = stream(url, a, 1)
+        cold_b, _ = stream(url, b, 1)
+        wait_written(url)
+        evicted, _ = stream(url, a + turns[0], 1)
+        stats = httpx.get(f"{url}/v1/stats").json()
+        server.daemon.kill()
+        started = time.perf_counter()
+        server.daemon.start()
+        ready = time.perf_counter() - started
+        restarted, _ = stream(url, a + turns[0] + turns[1], 1)
+        warm, _ = stream(url, a + turns[0] + turns[1] + turns[2], 1)
+        after = httpx.get(f"{url}/v1/stats").json()
+    finally:
+        server.stop()
+    disk = stats["kv_disk"]
+    print(f"\ndisk tier, {length:,}-token sessions, pool {args.tier_pool}:")
+    print(f"  A cold {cold_a:.1f} s, B cold {cold_b:.1f} s; disk {disk['num_blocks']} blocks, "
+          f"{disk['num_bytes'] / 2**30:.2f} GiB")
+    print(f"  A's turn after its blocks left the pool: {evicted:.2f} s ({cold_a / evicted:.1f}x "
+          f"faster than its cold prefill; {stats['prefix_cache_disk_hits']:,} tokens from disk)")
+    print(f"  kill -9, start ({ready:.1f} s to ready), A's next turn: {restarted:.2f} s "
+          f"({restarted / warm:.2f}x a warm turn); then a warm turn {warm:.2f} s "
+          f"({after['prefix_cache_disk_hits']:,} tokens from disk since the start)")
+
+
+def wait_written(url: str, timeout_s: float = 600) -> None:
+    """Until the disk tier's write queue is empty."""
+    deadline = time.monotonic() + timeout_s
+    while httpx.get(f"{url}/v1/stats").json()["kv_disk"]["write_queue_blocks"]:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the disk tier's writes did not drain")
+        time.sleep(0.2)
 
 
 def main() -> None:
@@ -115,9 +169,13 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=49152, help="ids drawn below this")
     parser.add_argument("--agentd-args", default="", help="more `agentd start` options")
     parser.add_argument("--servers", default="agentd,llama")
+    parser.add_argument("--tier", action="store_true",
+                        help="then the disk tier at the longest length (agentd only)")
+    parser.add_argument("--tier-pool", default="4GiB", help="the pool for --tier: room for "
+                        "one session, not two (1.7B fp16 KV: 192 KiB a token)")
     args = parser.parse_args()
     lengths = [int(n) for n in args.tokens.split(",")]
-    context = max(lengths) + args.turn + args.max_tokens + 64
+    context = max(lengths) + 3 * args.turn + args.max_tokens + 64
     print(cpu_line())
     print(f"{args.gguf}: prompts {lengths}, warm turn +{args.turn}, context {context}, "
           f"{args.threads} threads", flush=True)
@@ -159,6 +217,8 @@ def main() -> None:
             print(f"{n:,} tokens, agentd / llama-server: cold TTFT {a[2] / b[2]:.2f}x, decode "
                   f"{(a[3] or 0) / (b[3] or 1):.2f}x, warm TTFT {a[4] / b[4]:.2f}x, RSS "
                   f"{a[5] / b[5]:.2f}x")
+    if args.tier:
+        tier_run(args, max(lengths), context)
     sys.stdout.flush()
 
 

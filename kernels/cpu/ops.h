@@ -48,25 +48,37 @@ inline size_t span_scratch_floats(const KvLayout& kv, int num_heads, int num_row
          (num_rows > 1 ? size_t{kSpanTileSlots} * kv.head_dim : 0);
 }
 
-// A prefill task's query vectors (rows x the query heads of one KV head) and slots a tile
-// (ops_prefill.h), and the scratch floats it needs.
+// A prefill task's query vectors per KV head (rows x that head's query heads) and slots a tile
+// (ops_prefill.h); the floats of state it holds per KV head (the queries, the outputs, their
+// tops and sums) and of scratch in all.
 constexpr int kChunkQueries = 64;
 constexpr int kChunkSlots = 64;
 
-inline size_t chunk_scratch_floats(int head_dim) {
-  const size_t D = head_dim, Q = kChunkQueries, T = kChunkSlots;
-  const size_t common = Q * D + (T + 1) * Q + 2 * Q;  // outputs, scores, tops and sums
-  const size_t fp32 = Q * D + (2 * T + 1) * D;  // queries, keys and values widened
-  const size_t bf16 = D / 2 * Q + (T + 1) * D / 2 + T / 2 * D + T / 2 * Q;  // their pairs
-  return common + (fp32 > bf16 ? fp32 : bf16);
+inline size_t chunk_head_floats(int head_dim) {
+  return 2 * size_t{kChunkQueries} * head_dim + 2 * size_t{kChunkQueries};
 }
+
+inline size_t chunk_scratch_floats(int head_dim, int num_kv_heads) {
+  const size_t D = head_dim, Q = kChunkQueries, T = kChunkSlots;
+  const size_t fp32 = (2 * T + 1) * D;  // keys and values widened
+  const size_t bf16 = (T + 1) * D / 2 + T / 2 * D + T / 2 * Q;  // their pairs, the weights'
+  return num_kv_heads * chunk_head_floats(head_dim) + (T + 1) * Q + (fp32 > bf16 ? fp32 : bf16);
+}
+
+// Causal attention of num_rows rows of one sequence (row j at position first_pos + j sees
+// slots [0, first_pos + j] of `table`) for the query heads of KV heads [kh, kh + num_kh): row
+// j's head h at query + j * query_stride + h * D, its output at out + j * out_stride + h * D.
+// num_rows * (num_heads / num_kv_heads) <= kChunkQueries; scratch: chunk_scratch_floats(D,
+// num_kh). The heads go inside the loop over tiles: a slot's heads are one row of the pool,
+// read whole (one head's part alone every slot, a page apart for 32 heads of 64, ran at a
+// third of the speed once the context left the L3).
+using AttendChunkFn = void (*)(const KvLayout& kv, const float* query, int64_t query_stride,
+                               int num_heads, float scale, const int32_t* table, int first_pos,
+                               int num_rows, int kh, int num_kh, float* out, int64_t out_stride,
+                               float* scratch);
 
 // attend_chunk with its products in bfloat16 (ops_prefill_bf16.cpp), where this build has it
 // (GCC 10+) and the CPU has AVX512-BF16, else nullptr. Needs head_dim % 16 == 0.
-using AttendChunkFn = void (*)(const KvLayout& kv, const float* query, int64_t query_stride,
-                               int num_heads, float scale, const int32_t* table, int first_pos,
-                               int num_rows, int kh, float* out, int64_t out_stride,
-                               float* scratch);
 AttendChunkFn attend_chunk_bf16_kernel();
 
 struct OpsKernels {
@@ -89,10 +101,7 @@ struct OpsKernels {
                const float* sin, bool interleaved);
   // One head row of n floats into the pool's dtype.
   void (*store_row)(const float* src, void* dst, KvDtype dtype, int n);
-  // Causal attention of num_rows rows of one sequence (row j at position first_pos + j sees
-  // slots [0, first_pos + j] of `table`) for the query heads of KV head kh: row j's head h at
-  // query + j * query_stride + h * D, its output at out + j * out_stride + h * D.
-  // num_rows * (num_heads / num_kv_heads) <= kChunkQueries; scratch: chunk_scratch_floats.
+  // Prefill attention of some rows and KV heads (AttendChunkFn), fp32 products.
   AttendChunkFn attend_chunk;
 };
 

@@ -205,12 +205,23 @@ at::Tensor decode_attention(const at::Tensor& query, const at::Tensor& kv_cache,
   return out;
 }
 
-// One task of prefill_attention: some rows of one sequence, the query heads of one KV head.
+// One task of prefill_attention: some rows of one sequence, the query heads of some KV heads.
 struct ChunkTask {
   int64_t seq, row0;  // its first row, within the batch's query
-  int num_rows, first_pos, kh;
+  int num_rows, first_pos, kh, num_kh;
   int64_t cost;  // slots times rows, to hand the longest out first
 };
+
+// KV heads a task takes: all of a slot's (its row is read whole), as far as their state stays
+// within ~512 KiB (L2) and the tasks still number two a thread.
+int heads_per_task(int num_kv_heads, int head_dim, int64_t row_tiles, int64_t threads) {
+  const size_t per_head = agentd_cpu::chunk_head_floats(head_dim) * sizeof(float);
+  int heads = std::max<int>(1, std::min<int64_t>(num_kv_heads, (512 << 10) / per_head));
+  while (heads > 1 && row_tiles * ((num_kv_heads + heads - 1) / heads) < 2 * threads) {
+    heads = (heads + 1) / 2;
+  }
+  return heads;
+}
 
 at::Tensor prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache,
                              const at::Tensor& block_tables, const at::Tensor& query_start_loc,
@@ -238,6 +249,12 @@ at::Tensor prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache
   const int32_t* starts = query_start_loc.data_ptr<int32_t>();
   const int64_t max_blocks = block_tables.size(1);
   const int rows_per_task = static_cast<int>(std::max<int64_t>(1, agentd_cpu::kChunkQueries / G));
+  int64_t row_tiles = 0;
+  for (int64_t s = 0; s < S; ++s) {
+    row_tiles += (starts[s + 1] - starts[s] + rows_per_task - 1) / rows_per_task;
+  }
+  const int heads = heads_per_task(kv.num_kv_heads, kv.head_dim, row_tiles,
+                                   at::get_num_threads());
   std::vector<ChunkTask> tasks;
   for (int64_t s = 0; s < S; ++s) {
     const int64_t n = starts[s + 1] - starts[s];
@@ -252,9 +269,10 @@ at::Tensor prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache
     for (int64_t r = 0; r < n; r += rows_per_task) {
       const int rows = static_cast<int>(std::min<int64_t>(rows_per_task, n - r));
       const int first_pos = static_cast<int>(lens[s] - n + r);
-      for (int kh = 0; kh < kv.num_kv_heads; ++kh) {
-        tasks.push_back({s, starts[s] + r, rows, first_pos, kh,
-                         int64_t{first_pos + rows} * rows});
+      for (int kh = 0; kh < kv.num_kv_heads; kh += heads) {
+        const int num_kh = std::min(heads, kv.num_kv_heads - kh);
+        tasks.push_back({s, starts[s] + r, rows, first_pos, kh, num_kh,
+                         int64_t{first_pos + rows} * rows * num_kh});
       }
     }
   }
@@ -274,12 +292,12 @@ at::Tensor prefill_attention(const at::Tensor& query, const at::Tensor& kv_cache
   py::gil_scoped_release no_gil;
   at::parallel_for(0, std::min<int64_t>(num_tasks, at::get_num_threads()), 1,
                    [&](int64_t, int64_t) {
-    std::vector<float> scratch(agentd_cpu::chunk_scratch_floats(kv.head_dim));
+    std::vector<float> scratch(agentd_cpu::chunk_scratch_floats(kv.head_dim, heads));
     for (int64_t i = next++; i < num_tasks; i = next++) {
       const ChunkTask& t = tasks[i];
       attend(kv, q + t.row0 * query.stride(0), query.stride(0), static_cast<int>(H),
                        static_cast<float>(scale), tables + t.seq * block_tables.stride(0),
-                       t.first_pos, t.num_rows, t.kh, dst + t.row0 * out.stride(0),
+                       t.first_pos, t.num_rows, t.kh, t.num_kh, dst + t.row0 * out.stride(0),
                        out.stride(0), scratch.data());
     }
   });

@@ -101,21 +101,6 @@ inline void widen_slots(const SlotRows<kT>& slot_row, int t0, int t1, int which,
   }
 }
 
-// Prefetch KV head kh's keys and values of slots [t0, t1) (the next tile, while this one runs):
-// one head's row of a slot is a few cache lines a whole slot row apart (a page for 32 heads),
-// a stride the hardware prefetchers do not follow.
-template <KvDtype kT>
-inline void prefetch_slots(const SlotRows<kT>& slot_row, int t0, int t1, int kh, int D) {
-  constexpr int64_t kElem = SlotRows<kT>::kElem;
-  const int64_t bytes = int64_t{D} * kElem;
-  for (int pos = t0; pos < t1; ++pos) {
-    for (int which = 0; which < 2; ++which) {
-      const char* p = slot_row(pos, which) + int64_t{kh} * bytes;
-      for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
-    }
-  }
-}
-
 // The scores st [n, kMQ] of slots [t0, t1) masked (slot t is seen by the queries of rows at
 // positions >= t) and turned into weights exp(score - top) under the running tops; the tops,
 // the sums and the outputs o of the first M queries rescaled to them.
@@ -175,67 +160,79 @@ inline void write_outputs(const float* o, const float* sum, int M, int G, int kh
 template <KvDtype kT>
 void attend_chunk_as(const KvLayout& kv, const float* query, int64_t query_stride,
                      int num_heads, float scale, const int32_t* table, int first_pos,
-                     int num_rows, int kh, float* out, int64_t out_stride, float* scratch) {
+                     int num_rows, int kh0, int num_kh, float* out, int64_t out_stride,
+                     float* scratch) {
   const int D = kv.head_dim, G = num_heads / kv.num_kv_heads, M = num_rows * G;
-  float* qt = scratch;        // [D, kMQ], scaled; padding queries are zero
-  float* o = qt + D * kMQ;    // [kMQ, D]
-  float* st = o + kMQ * D;    // [kTK + 1, kMQ]: scores, then weights (a spare row for pairs)
-  float* top = st + (kTK + 1) * kMQ;  // [kMQ]
-  float* sum = top + kMQ;     // [kMQ]
-  float* kt = sum + kMQ;      // [kTK + 1, D] (a zero row after an odd tile)
-  float* vt = kt + (kTK + 1) * D;     // [kTK, D]
-  std::fill(qt, qt + D * kMQ, 0.0f);
-  for (int i = 0; i < M; ++i) {
-    const float* src = query + (i / G) * query_stride + (kh * G + i % G) * D;
-    for (int d = 0; d < D; ++d) qt[d * kMQ + i] = src[d] * scale;
+  // per KV head: qt [D, kMQ] (scaled; padding queries zero), o [kMQ, D], top, sum [kMQ]
+  const size_t per_head = chunk_head_floats(D);
+  float* st = scratch + num_kh * per_head;  // [kTK + 1, kMQ]: scores, then weights
+  float* kt = st + (kTK + 1) * kMQ;         // [kTK + 1, D] (a zero row after an odd tile)
+  float* vt = kt + (kTK + 1) * D;           // [kTK, D]
+  for (int j = 0; j < num_kh; ++j) {
+    float* qt = scratch + j * per_head;
+    std::fill(qt, qt + D * kMQ, 0.0f);
+    for (int i = 0; i < M; ++i) {
+      const float* src = query + (i / G) * query_stride + ((kh0 + j) * G + i % G) * D;
+      for (int d = 0; d < D; ++d) qt[d * kMQ + i] = src[d] * scale;
+    }
+    float* o = qt + D * kMQ;
+    std::fill(o, o + kMQ * D, 0.0f);
+    std::fill(o + kMQ * D, o + kMQ * D + kMQ, -std::numeric_limits<float>::infinity());
+    std::fill(o + kMQ * D + kMQ, o + kMQ * D + 2 * kMQ, 0.0f);
   }
-  std::fill(o, o + kMQ * D, 0.0f);
-  std::fill(top, top + kMQ, -std::numeric_limits<float>::infinity());
-  std::fill(sum, sum + kMQ, 0.0f);
   const SlotRows<kT> slot_row{kv, table};
   const int end = first_pos + num_rows;  // the last row sees slots [0, end)
   const bool vectors = kWidth > 0 && D % (kWidth > 0 ? kWidth : 1) == 0;
   for (int t0 = 0; t0 < end; t0 += kTK) {
     const int t1 = std::min(end, t0 + kTK), n = t1 - t0;
-    prefetch_slots<kT>(slot_row, t1, std::min(end, t1 + kTK), kh, D);
-    widen_slots<kT>(slot_row, t0, t1, 0, kh, D, kt);
-    widen_slots<kT>(slot_row, t0, t1, 1, kh, D, vt);
-    // scores st[t, i] = k_t . q_i
+    for (int j = 0; j < num_kh; ++j) {  // the heads of a slot are one row of the pool
+      const int kh = kh0 + j;
+      float* qt = scratch + j * per_head;
+      float* o = qt + D * kMQ;
+      float* top = o + kMQ * D;
+      float* sum = top + kMQ;
+      widen_slots<kT>(slot_row, t0, t1, 0, kh, D, kt);
+      widen_slots<kT>(slot_row, t0, t1, 1, kh, D, vt);
+      // scores st[t, i] = k_t . q_i
 #if defined(AGENTD_OPS_AVX512) || defined(AGENTD_OPS_AVX2)
-    if (vectors) {
-      if (n % 2) std::fill(kt + n * D, kt + (n + 1) * D, 0.0f);
-      for (int c = 0; c < kMQ; c += 4 * kWidth) {
-        for (int t = 0; t < n; t += 2) scores_pair(kt, qt, D, t, c, st);
+      if (vectors) {
+        if (n % 2) std::fill(kt + n * D, kt + (n + 1) * D, 0.0f);
+        for (int c = 0; c < kMQ; c += 4 * kWidth) {
+          for (int t = 0; t < n; t += 2) scores_pair(kt, qt, D, t, c, st);
+        }
       }
-    }
 #endif
-    if (!vectors) {
-      for (int t = 0; t < n; ++t) {
-        float* s = st + t * kMQ;
-        std::fill(s, s + kMQ, 0.0f);
-        for (int d = 0; d < D; ++d) {
-          const float k = kt[t * D + d];
-          for (int i = 0; i < kMQ; ++i) s[i] += k * qt[d * kMQ + i];
+      if (!vectors) {
+        for (int t = 0; t < n; ++t) {
+          float* s = st + t * kMQ;
+          std::fill(s, s + kMQ, 0.0f);
+          for (int d = 0; d < D; ++d) {
+            const float k = kt[t * D + d];
+            for (int i = 0; i < kMQ; ++i) s[i] += k * qt[d * kMQ + i];
+          }
+        }
+      }
+      online_softmax(st, t0, t1, first_pos, G, M, D, top, sum, o);
+      // o[i] += sum over t of st[t, i] * v_t
+#if defined(AGENTD_OPS_AVX512) || defined(AGENTD_OPS_AVX2)
+      if (vectors) {
+        constexpr int R = kWidth == 16 ? 4 : 2;
+        int i0 = 0;
+        for (; i0 + R <= M; i0 += R) values_rows<R>(st, vt, n, D, i0, o);
+        for (; i0 < M; ++i0) values_rows<1>(st, vt, n, D, i0, o);
+      }
+#endif
+      if (!vectors) {
+        for (int t = 0; t < n; ++t) {
+          for (int i = 0; i < M; ++i) axpy(o + i * D, st[t * kMQ + i], vt + t * D, D);
         }
       }
     }
-    online_softmax(st, t0, t1, first_pos, G, M, D, top, sum, o);
-    // o[i] += sum over t of st[t, i] * v_t
-#if defined(AGENTD_OPS_AVX512) || defined(AGENTD_OPS_AVX2)
-    if (vectors) {
-      constexpr int R = kWidth == 16 ? 4 : 2;
-      int i0 = 0;
-      for (; i0 + R <= M; i0 += R) values_rows<R>(st, vt, n, D, i0, o);
-      for (; i0 < M; ++i0) values_rows<1>(st, vt, n, D, i0, o);
-    }
-#endif
-    if (!vectors) {
-      for (int t = 0; t < n; ++t) {
-        for (int i = 0; i < M; ++i) axpy(o + i * D, st[t * kMQ + i], vt + t * D, D);
-      }
-    }
   }
-  write_outputs(o, sum, M, G, kh, D, out, out_stride);
+  for (int j = 0; j < num_kh; ++j) {
+    const float* o = scratch + j * per_head + D * kMQ;
+    write_outputs(o, o + kMQ * D + kMQ, M, G, kh0 + j, D, out, out_stride);
+  }
 }
 
 #if defined(AGENTD_PREFILL_BF16)
@@ -292,122 +289,137 @@ inline void values_rows_bf16(const uint32_t* pp, const uint32_t* vp, int nu, int
 template <KvDtype kT>
 void attend_chunk_bf16_as(const KvLayout& kv, const float* query, int64_t query_stride,
                           int num_heads, float scale, const int32_t* table, int first_pos,
-                          int num_rows, int kh, float* out, int64_t out_stride, float* scratch) {
+                          int num_rows, int kh0, int num_kh, float* out, int64_t out_stride,
+                          float* scratch) {
   constexpr int64_t kElem = SlotRows<kT>::kElem;
   const int D = kv.head_dim, G = num_heads / kv.num_kv_heads, M = num_rows * G, P = D / 2;
-  float* o = scratch;                 // [kMQ, D]
-  float* st = o + kMQ * D;            // [kTK + 1, kMQ]
-  float* top = st + (kTK + 1) * kMQ;  // [kMQ]
-  float* sum = top + kMQ;             // [kMQ]
-  uint32_t* qp = reinterpret_cast<uint32_t*>(sum + kMQ);  // [P, kMQ] query pairs, scaled
-  uint32_t* kp = qp + P * kMQ;        // [kTK + 1, P] key pairs (a zero row after an odd tile)
+  // per KV head: qp [P, kMQ] query pairs (scaled), o [kMQ, D], top, sum [kMQ]
+  const size_t per_head = chunk_head_floats(D);
+  float* st = scratch + num_kh * per_head;  // [kTK + 1, kMQ]
+  uint32_t* kp = reinterpret_cast<uint32_t*>(st + (kTK + 1) * kMQ);  // [kTK + 1, P] key pairs
   uint32_t* vp = kp + (kTK + 1) * P;  // [kTK / 2, D] value pairs (t, t + 1)
   uint32_t* pp = vp + kTK / 2 * D;    // [kTK / 2, kMQ] weight pairs (t, t + 1)
-  std::fill(qp, qp + P * kMQ, 0u);
-  for (int i = 0; i < M; ++i) {
-    const float* src = query + (i / G) * query_stride + (kh * G + i % G) * D;
-    for (int p = 0; p < P; ++p) {
-      qp[p * kMQ + i] = bf16_bits(src[2 * p] * scale) | bf16_bits(src[2 * p + 1] * scale) << 16;
+  for (int j = 0; j < num_kh; ++j) {
+    float* o = scratch + j * per_head;
+    uint32_t* qp = reinterpret_cast<uint32_t*>(o + kMQ * D + 2 * kMQ);
+    std::fill(qp, qp + P * kMQ, 0u);
+    for (int i = 0; i < M; ++i) {
+      const float* src = query + (i / G) * query_stride + ((kh0 + j) * G + i % G) * D;
+      for (int p = 0; p < P; ++p) {
+        qp[p * kMQ + i] = bf16_bits(src[2 * p] * scale) |
+                          bf16_bits(src[2 * p + 1] * scale) << 16;
+      }
     }
+    std::fill(o, o + kMQ * D, 0.0f);
+    std::fill(o + kMQ * D, o + kMQ * D + kMQ, -std::numeric_limits<float>::infinity());
+    std::fill(o + kMQ * D + kMQ, o + kMQ * D + 2 * kMQ, 0.0f);
   }
-  std::fill(o, o + kMQ * D, 0.0f);
-  std::fill(top, top + kMQ, -std::numeric_limits<float>::infinity());
-  std::fill(sum, sum + kMQ, 0.0f);
   const SlotRows<kT> slot_row{kv, table};
   const int end = first_pos + num_rows;
   const __m512 zero = _mm512_setzero_ps();
   for (int t0 = 0; t0 < end; t0 += kTK) {
     const int t1 = std::min(end, t0 + kTK), n = t1 - t0, nu = (n + 1) / 2;
-    prefetch_slots<kT>(slot_row, t1, std::min(end, t1 + kTK), kh, D);
-    for (int pos = t0; pos < t1; ++pos) {  // keys, rounded to bf16 in place of the pairs
-      const char* src = slot_row(pos, 0) + int64_t{kh} * D * kElem;
-      uint16_t* row = reinterpret_cast<uint16_t*>(kp + (pos - t0) * P);
-      for (int d = 0; d < D; d += 16) {
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + d),
-                            reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(widen_vec<kT>(src, d))));
+    for (int j = 0; j < num_kh; ++j) {  // the heads of a slot are one row of the pool
+      const int64_t head = int64_t{kh0 + j} * D * kElem;
+      float* o = scratch + j * per_head;
+      float* top = o + kMQ * D;
+      float* sum = top + kMQ;
+      const uint32_t* qp = reinterpret_cast<const uint32_t*>(sum + kMQ);
+      for (int pos = t0; pos < t1; ++pos) {  // keys, rounded to bf16: their element pairs
+        const char* src = slot_row(pos, 0) + head;
+        uint16_t* row = reinterpret_cast<uint16_t*>(kp + (pos - t0) * P);
+        for (int d = 0; d < D; d += 16) {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(row + d),
+                              reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(
+                                  widen_vec<kT>(src, d))));
+        }
       }
+      if (n % 2) std::fill(kp + n * P, kp + (n + 1) * P, 0u);
+      for (int t = 0; t < n; t += 2) {  // scores st[t, i], two slots at a time
+        const uint32_t* k0 = kp + t * P;
+        const uint32_t* k1 = k0 + P;
+        __m512 a0 = zero, a1 = zero, a2 = zero, a3 = zero, b0 = zero, b1 = zero, b2 = zero,
+               b3 = zero;
+        for (int p = 0; p < P; ++p) {
+          const uint32_t* q = qp + p * kMQ;
+          const __m512i q0 = _mm512_loadu_si512(q), q1 = _mm512_loadu_si512(q + 16),
+                        q2 = _mm512_loadu_si512(q + 32), q3 = _mm512_loadu_si512(q + 48);
+          const __m512i x = _mm512_set1_epi32(static_cast<int>(k0[p]));
+          const __m512i y = _mm512_set1_epi32(static_cast<int>(k1[p]));
+          a0 = dot_pairs(a0, q0, x), a1 = dot_pairs(a1, q1, x), a2 = dot_pairs(a2, q2, x);
+          a3 = dot_pairs(a3, q3, x);
+          b0 = dot_pairs(b0, q0, y), b1 = dot_pairs(b1, q1, y), b2 = dot_pairs(b2, q2, y);
+          b3 = dot_pairs(b3, q3, y);
+        }
+        float* s0 = st + t * kMQ;
+        float* s1 = s0 + kMQ;
+        _mm512_storeu_ps(s0, a0), _mm512_storeu_ps(s0 + 16, a1);
+        _mm512_storeu_ps(s0 + 32, a2), _mm512_storeu_ps(s0 + 48, a3);
+        _mm512_storeu_ps(s1, b0), _mm512_storeu_ps(s1 + 16, b1);
+        _mm512_storeu_ps(s1 + 32, b2), _mm512_storeu_ps(s1 + 48, b3);
+      }
+      online_softmax(st, t0, t1, first_pos, G, M, D, top, sum, o);
+      for (int u = 0; u < nu; ++u) {  // value and weight pairs (t, t + 1); past the tile: 0
+        const bool pair = 2 * u + 1 < n;
+        const char* v0 = slot_row(t0 + 2 * u, 1) + head;
+        const char* v1 = pair ? slot_row(t0 + 2 * u + 1, 1) + head : nullptr;
+        for (int d = 0; d < D; d += 16) {
+          _mm512_storeu_si512(vp + u * D + d, bf16_pairs(widen_vec<kT>(v0, d),
+                                                         pair ? widen_vec<kT>(v1, d) : zero));
+        }
+        const float* w0 = st + 2 * u * kMQ;
+        for (int i = 0; i < kMQ; i += 16) {
+          _mm512_storeu_si512(pp + u * kMQ + i,
+                              bf16_pairs(_mm512_loadu_ps(w0 + i),
+                                         pair ? _mm512_loadu_ps(w0 + kMQ + i) : zero));
+        }
+      }
+      int i0 = 0;
+      for (; i0 + 4 <= M; i0 += 4) values_rows_bf16<4>(pp, vp, nu, D, i0, o);
+      for (; i0 < M; ++i0) values_rows_bf16<1>(pp, vp, nu, D, i0, o);
     }
-    if (n % 2) std::fill(kp + n * P, kp + (n + 1) * P, 0u);
-    for (int t = 0; t < n; t += 2) {  // scores st[t, i], two slots at a time
-      const uint32_t* k0 = kp + t * P;
-      const uint32_t* k1 = k0 + P;
-      __m512 a0 = zero, a1 = zero, a2 = zero, a3 = zero, b0 = zero, b1 = zero, b2 = zero,
-             b3 = zero;
-      for (int p = 0; p < P; ++p) {
-        const uint32_t* q = qp + p * kMQ;
-        const __m512i q0 = _mm512_loadu_si512(q), q1 = _mm512_loadu_si512(q + 16),
-                      q2 = _mm512_loadu_si512(q + 32), q3 = _mm512_loadu_si512(q + 48);
-        const __m512i x = _mm512_set1_epi32(static_cast<int>(k0[p]));
-        const __m512i y = _mm512_set1_epi32(static_cast<int>(k1[p]));
-        a0 = dot_pairs(a0, q0, x), a1 = dot_pairs(a1, q1, x), a2 = dot_pairs(a2, q2, x);
-        a3 = dot_pairs(a3, q3, x);
-        b0 = dot_pairs(b0, q0, y), b1 = dot_pairs(b1, q1, y), b2 = dot_pairs(b2, q2, y);
-        b3 = dot_pairs(b3, q3, y);
-      }
-      float* s0 = st + t * kMQ;
-      float* s1 = s0 + kMQ;
-      _mm512_storeu_ps(s0, a0), _mm512_storeu_ps(s0 + 16, a1), _mm512_storeu_ps(s0 + 32, a2);
-      _mm512_storeu_ps(s0 + 48, a3);
-      _mm512_storeu_ps(s1, b0), _mm512_storeu_ps(s1 + 16, b1), _mm512_storeu_ps(s1 + 32, b2);
-      _mm512_storeu_ps(s1 + 48, b3);
-    }
-    online_softmax(st, t0, t1, first_pos, G, M, D, top, sum, o);
-    for (int u = 0; u < nu; ++u) {  // value and weight pairs (t, t + 1); past the tile: zero
-      const bool pair = 2 * u + 1 < n;
-      const char* v0 = slot_row(t0 + 2 * u, 1) + int64_t{kh} * D * kElem;
-      const char* v1 = pair ? slot_row(t0 + 2 * u + 1, 1) + int64_t{kh} * D * kElem : nullptr;
-      for (int d = 0; d < D; d += 16) {
-        _mm512_storeu_si512(vp + u * D + d, bf16_pairs(widen_vec<kT>(v0, d),
-                                                       pair ? widen_vec<kT>(v1, d) : zero));
-      }
-      const float* w0 = st + 2 * u * kMQ;
-      for (int i = 0; i < kMQ; i += 16) {
-        _mm512_storeu_si512(pp + u * kMQ + i,
-                            bf16_pairs(_mm512_loadu_ps(w0 + i),
-                                       pair ? _mm512_loadu_ps(w0 + kMQ + i) : zero));
-      }
-    }
-    int i0 = 0;
-    for (; i0 + 4 <= M; i0 += 4) values_rows_bf16<4>(pp, vp, nu, D, i0, o);
-    for (; i0 < M; ++i0) values_rows_bf16<1>(pp, vp, nu, D, i0, o);
   }
-  write_outputs(o, sum, M, G, kh, D, out, out_stride);
+  for (int j = 0; j < num_kh; ++j) {
+    const float* o = scratch + j * per_head;
+    write_outputs(o, o + kMQ * D + kMQ, M, G, kh0 + j, D, out, out_stride);
+  }
 }
 
 void attend_chunk_bf16(const KvLayout& kv, const float* query, int64_t query_stride,
                        int num_heads, float scale, const int32_t* table, int first_pos,
-                       int num_rows, int kh, float* out, int64_t out_stride, float* scratch) {
+                       int num_rows, int kh, int num_kh, float* out, int64_t out_stride,
+                       float* scratch) {
   switch (kv.dtype) {
     case kKvF16:
       attend_chunk_bf16_as<kKvF16>(kv, query, query_stride, num_heads, scale, table, first_pos,
-                                   num_rows, kh, out, out_stride, scratch);
+                                   num_rows, kh, num_kh, out, out_stride, scratch);
       break;
     case kKvBF16:
       attend_chunk_bf16_as<kKvBF16>(kv, query, query_stride, num_heads, scale, table,
-                                    first_pos, num_rows, kh, out, out_stride, scratch);
+                                    first_pos, num_rows, kh, num_kh, out, out_stride, scratch);
       break;
     default:
       attend_chunk_bf16_as<kKvF32>(kv, query, query_stride, num_heads, scale, table, first_pos,
-                                   num_rows, kh, out, out_stride, scratch);
+                                   num_rows, kh, num_kh, out, out_stride, scratch);
   }
 }
 #endif
 
 void attend_chunk(const KvLayout& kv, const float* query, int64_t query_stride, int num_heads,
                   float scale, const int32_t* table, int first_pos, int num_rows, int kh,
-                  float* out, int64_t out_stride, float* scratch) {
+                  int num_kh, float* out, int64_t out_stride, float* scratch) {
   switch (kv.dtype) {
     case kKvF16:
       attend_chunk_as<kKvF16>(kv, query, query_stride, num_heads, scale, table, first_pos,
-                              num_rows, kh, out, out_stride, scratch);
+                              num_rows, kh, num_kh, out, out_stride, scratch);
       break;
     case kKvBF16:
       attend_chunk_as<kKvBF16>(kv, query, query_stride, num_heads, scale, table, first_pos,
-                               num_rows, kh, out, out_stride, scratch);
+                               num_rows, kh, num_kh, out, out_stride, scratch);
       break;
     default:
       attend_chunk_as<kKvF32>(kv, query, query_stride, num_heads, scale, table, first_pos,
-                              num_rows, kh, out, out_stride, scratch);
+                              num_rows, kh, num_kh, out, out_stride, scratch);
   }
 }
 

@@ -272,12 +272,15 @@ def _add_metadata(writer: gguf.GGUFWriter, shape: SynthShape, ftype: str,
 
 def write_synth_gguf(path: Path | str, shape: str | SynthShape, type: str = "Q4_K_M",
                      seed: int = 0, num_layers: int | None = None,
-                     tokenizer: bool = True) -> list[TensorPlan]:
+                     tokenizer: bool = True,
+                     context_len: int | None = None) -> list[TensorPlan]:
     """Write a random-weight GGUF of ``shape`` in llama.cpp's ``type`` mix to ``path``.
 
     Args:
         shape: a name of SHAPES or a SynthShape; num_layers overrides its layer count.
         tokenizer: copy the default model's tokenizer keys (False: none, for fast-opening files).
+        context_len: the trained context its metadata names (default: the shape's; agent-length
+            benchmarks want 32k, which llama-server will not exceed).
     Returns:
         The tensors written, in file order.
     """
@@ -287,6 +290,8 @@ def write_synth_gguf(path: Path | str, shape: str | SynthShape, type: str = "Q4_
         shape = SHAPES[shape]
     if num_layers is not None:
         shape = replace(shape, num_layers=num_layers)
+    if context_len is not None:
+        shape = replace(shape, context_len=context_len)
     fields = read_tokenizer_fields(default_gguf_path()) if tokenizer else {}
     writer = gguf.GGUFWriter(path, "llama")
     vocab_size = _add_metadata(writer, shape, type, fields)
@@ -311,9 +316,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("-o", "--output", required=True, type=Path)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--context", type=int, default=None,
+                        help="the trained context in its metadata (default: the shape's)")
     args = parser.parse_args(argv)
     start_s = time.monotonic()
-    plans = write_synth_gguf(args.output, args.shape, args.type, args.seed, args.layers)
+    plans = write_synth_gguf(args.output, args.shape, args.type, args.seed, args.layers,
+                             context_len=args.context)
     peak_rss_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(f"{args.output}: {len(plans)} tensors, {args.output.stat().st_size / 1e9:.3f} GB, "
           f"{time.monotonic() - start_s:.1f} s, generator peak RSS {peak_rss_mib:.0f} MiB")

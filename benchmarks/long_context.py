@@ -93,12 +93,12 @@ class LlamaServer:
 
 class Agentd:
     def __init__(self, gguf: str, context: int, threads: int, extra: list[str],
-                 disk: bool = False) -> None:
+                 disk: bool = False, env: dict[str, str] | None = None) -> None:
         self.daemon = SpawnedDaemon(Path(tempfile.mkdtemp(prefix="agentd-long-")) / "state",
                                     "--model", gguf, "--max-model-len", str(context),
                                     "--num-threads", str(threads),
                                     *([] if disk else ["--no-kv-disk"]), *extra,
-                                    ready_timeout_s=900)
+                                    env=env, ready_timeout_s=900)
         self.daemon.start()
         self.url = self.daemon.url
 
@@ -169,6 +169,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=49152, help="ids drawn below this")
     parser.add_argument("--agentd-args", default="", help="more `agentd start` options")
     parser.add_argument("--servers", default="agentd,llama")
+    parser.add_argument("--bf16", action="store_true", help="agentd's prefill attention with "
+                        "bfloat16 products (AGENTD_PREFILL_BF16=1; AVX512-BF16 CPUs)")
     parser.add_argument("--tier", action="store_true",
                         help="then the disk tier at the longest length (agentd only)")
     parser.add_argument("--tier-pool", default="4GiB", help="the pool for --tier: room for "
@@ -189,7 +191,8 @@ def main() -> None:
             print("llama-server: skipped (no --llama-server)")
             continue
         started = time.perf_counter()
-        server = (Agentd(args.gguf, context, args.threads, shlex.split(args.agentd_args))
+        env = {"AGENTD_PREFILL_BF16": "1"} if args.bf16 else None
+        server = (Agentd(args.gguf, context, args.threads, shlex.split(args.agentd_args), env=env)
                   if name == "agentd" else
                   LlamaServer(args.llama_server, args.gguf, context, args.threads))
         print(f"{name}: ready in {time.perf_counter() - started:.1f} s", flush=True)

@@ -146,6 +146,22 @@ inline void span_probabilities(float* scores, int Q, int n, int D, float* partia
   }
 }
 
+// Widen slots [t0, t1) of KV head kh's keys (which = 0) or values (1) into dst [t1 - t0, D].
+template <KvDtype kT>
+inline void widen_slots(const SlotRows<kT>& slot_row, int t0, int t1, int which, int kh, int D,
+                        float* dst) {
+  constexpr int64_t kElem = SlotRows<kT>::kElem;
+  for (int pos = t0; pos < t1; ++pos) {
+    const char* src = slot_row(pos, which) + int64_t{kh} * D * kElem;
+    float* row = dst + (pos - t0) * D;
+    int d = 0;
+#if defined(AGENTD_OPS_AVX512) || defined(AGENTD_OPS_AVX2)
+    for (; d + kWidth <= D; d += kWidth) vstore(row + d, widen_vec<kT>(src, d));
+#endif
+    for (; d < D; ++d) row[d] = widen1<kT>(src, d);
+  }
+}
+
 // The queries of rows[0..num_rows) (every head) against slots [p0, p1) of `table`: for each
 // query (r, h) its top score, the sum of exp(score - top) and the sum of exp(score - top) * v,
 // into partial + (r * H + h) * (D + 2) as [top, sum, acc...]. Each slot's keys (then values)
@@ -229,23 +245,11 @@ void attend_rows_as(const KvLayout& kv, const DecodeBatch& batch, const int32_t*
       for (int64_t off = 0; off < row_bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
     }
   };
-  // One KV head's rows of slots [t0, t1) into tile [t1 - t0, D] fp32.
-  auto widen_tile = [&](int t0, int t1, int which, int kh) {
-    for (int pos = t0; pos < t1; ++pos) {
-      const char* src = slot_row(pos, which) + int64_t{kh} * D * kElem;
-      float* dst = tile + (pos - t0) * D;
-      int d = 0;
-#if defined(AGENTD_OPS_AVX512) || defined(AGENTD_OPS_AVX2)
-      for (; d + kWidth <= D; d += kWidth) vstore(dst + d, widen_vec<kT>(src, d));
-#endif
-      for (; d < D; ++d) dst[d] = widen1<kT>(src, d);
-    }
-  };
   for (int t0 = p0; t0 < p1; t0 += kTileSlots) {
     const int t1 = std::min(p1, t0 + kTileSlots);
     prefetch_tile(t1, 0);
     for (int kh = 0; kh < Hkv; ++kh) {
-      widen_tile(t0, t1, 0, kh);
+      widen_slots<kT>(slot_row, t0, t1, 0, kh, D, tile);
       for (int r = 0; r < num_rows; ++r) {
         for (int g = 0; g < G; ++g) {
           const int i = r * H + kh * G + g;
@@ -267,7 +271,7 @@ void attend_rows_as(const KvLayout& kv, const DecodeBatch& batch, const int32_t*
     const int t1 = std::min(p1, t0 + kTileSlots);
     prefetch_tile(t1, 1);
     for (int kh = 0; kh < Hkv; ++kh) {
-      widen_tile(t0, t1, 1, kh);
+      widen_slots<kT>(slot_row, t0, t1, 1, kh, D, tile);
       for (int r = 0; r < num_rows; ++r) {
         for (int g = 0; g < G; ++g) {
           const int i = r * H + kh * G + g;

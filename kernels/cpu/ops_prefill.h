@@ -85,22 +85,6 @@ inline void values_rows(const float* st, const float* vt, int n, int D, int i0, 
 }
 #endif
 
-// Widen slots [t0, t1) of KV head kh's keys (which = 0) or values (1) into dst [t1 - t0, D].
-template <KvDtype kT>
-inline void widen_slots(const SlotRows<kT>& slot_row, int t0, int t1, int which, int kh, int D,
-                        float* dst) {
-  constexpr int64_t kElem = SlotRows<kT>::kElem;
-  for (int pos = t0; pos < t1; ++pos) {
-    const char* src = slot_row(pos, which) + int64_t{kh} * D * kElem;
-    float* row = dst + (pos - t0) * D;
-    int d = 0;
-#if defined(AGENTD_OPS_AVX512) || defined(AGENTD_OPS_AVX2)
-    for (; d + kWidth <= D; d += kWidth) vstore(row + d, widen_vec<kT>(src, d));
-#endif
-    for (; d < D; ++d) row[d] = widen1<kT>(src, d);
-  }
-}
-
 // The scores st [n, kMQ] of slots [t0, t1) masked (slot t is seen by the queries of rows at
 // positions >= t) and turned into weights exp(score - top) under the running tops; the tops,
 // the sums and the outputs o of the first M queries rescaled to them.

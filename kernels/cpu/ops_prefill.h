@@ -388,42 +388,28 @@ void attend_chunk_bf16_as(const KvLayout& kv, const float* query, int64_t query_
   }
 }
 
+// The kernels by pool dtype (KvDtype's order: f32, f16, bf16).
+constexpr AttendChunkFn kAttendChunkBf16[] = {attend_chunk_bf16_as<kKvF32>,
+                                              attend_chunk_bf16_as<kKvF16>,
+                                              attend_chunk_bf16_as<kKvBF16>};
+
 void attend_chunk_bf16(const KvLayout& kv, const float* query, int64_t query_stride,
                        int num_heads, float scale, const int32_t* table, int first_pos,
                        int num_rows, int kh, int num_kh, float* out, int64_t out_stride,
                        float* scratch) {
-  switch (kv.dtype) {
-    case kKvF16:
-      attend_chunk_bf16_as<kKvF16>(kv, query, query_stride, num_heads, scale, table, first_pos,
-                                   num_rows, kh, num_kh, out, out_stride, scratch);
-      break;
-    case kKvBF16:
-      attend_chunk_bf16_as<kKvBF16>(kv, query, query_stride, num_heads, scale, table,
-                                    first_pos, num_rows, kh, num_kh, out, out_stride, scratch);
-      break;
-    default:
-      attend_chunk_bf16_as<kKvF32>(kv, query, query_stride, num_heads, scale, table, first_pos,
-                                   num_rows, kh, num_kh, out, out_stride, scratch);
-  }
+  kAttendChunkBf16[kv.dtype](kv, query, query_stride, num_heads, scale, table, first_pos,
+                             num_rows, kh, num_kh, out, out_stride, scratch);
 }
 #endif
+
+constexpr AttendChunkFn kAttendChunk[] = {attend_chunk_as<kKvF32>, attend_chunk_as<kKvF16>,
+                                          attend_chunk_as<kKvBF16>};
 
 void attend_chunk(const KvLayout& kv, const float* query, int64_t query_stride, int num_heads,
                   float scale, const int32_t* table, int first_pos, int num_rows, int kh,
                   int num_kh, float* out, int64_t out_stride, float* scratch) {
-  switch (kv.dtype) {
-    case kKvF16:
-      attend_chunk_as<kKvF16>(kv, query, query_stride, num_heads, scale, table, first_pos,
-                              num_rows, kh, num_kh, out, out_stride, scratch);
-      break;
-    case kKvBF16:
-      attend_chunk_as<kKvBF16>(kv, query, query_stride, num_heads, scale, table, first_pos,
-                               num_rows, kh, num_kh, out, out_stride, scratch);
-      break;
-    default:
-      attend_chunk_as<kKvF32>(kv, query, query_stride, num_heads, scale, table, first_pos,
-                              num_rows, kh, num_kh, out, out_stride, scratch);
-  }
+  kAttendChunk[kv.dtype](kv, query, query_stride, num_heads, scale, table, first_pos, num_rows,
+                         kh, num_kh, out, out_stride, scratch);
 }
 
 }  // namespace

@@ -13,7 +13,7 @@ Invariants:
 - A disk that refuses a write (full, read-only) stops the writes with one warning; serving and
   reads go on.
 - A session's blocks are staged ``keep``: the store keeps them over anonymous prefixes
-  (:mod:`cache.disk_store`). ``keep`` stages the blocks a session found in the pool as well, once,
+  (:mod:`cache.disk_store`). The blocks a session found in the pool are staged kept as well, once,
   so that its whole prefix (a system prompt that an anonymous request computed first, say)
   outlives other prefixes' churn, not only the blocks it computed itself.
 
@@ -77,9 +77,6 @@ class NullDiskTier:
 
     def stage(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash],
               keep: bool = False) -> None:
-        pass
-
-    def keep(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> None:
         pass
 
     def load(self, job: LoadJob) -> None:
@@ -168,10 +165,6 @@ class DiskTier:
             np.take(layer[0], ids, axis=0, out=staged[:, 2 * index], mode="clip")
             np.take(layer[1], ids, axis=0, out=staged[:, 2 * index + 1], mode="clip")
         self._writes.put(([h for _, h in new], staged, keep))
-
-    def keep(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash]) -> None:
-        """A session found these blocks in the pool: store them kept where they are not yet."""
-        self.stage(block_ids, block_hashes, keep=True)
 
     def load(self, job: LoadJob) -> None:
         """Read ``job``'s blocks into its pool blocks on the loader thread."""

@@ -330,7 +330,7 @@ class LLMEngine:
         for job in out.loads:  # after the copies: one may touch a block the job writes
             self.disk.load(job)
         for block_ids, block_hashes in out.keeps:  # likewise: read once they hold their KV
-            self.disk.keep(block_ids, block_hashes)
+            self.disk.stage(block_ids, block_hashes, keep=True)
         if out.empty:
             if self.scheduler.loading:  # nothing to run until a load lands: no busy loop
                 self.disk.wait_for_landing(0.05)

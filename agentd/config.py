@@ -179,9 +179,9 @@ class EngineConfig:
             raise ValueError("kv_cache_memory_bytes must be positive")
         if self.kv_disk_budget_bytes is not None and self.kv_disk_budget_bytes < 0:
             raise ValueError("kv_disk_budget_bytes must not be negative")
-        if self.kv_cache_dtype not in ("auto", "float32", "float16", "bfloat16"):
-            raise ValueError(f"kv_cache_dtype must be auto, float32, float16 or bfloat16, not "
-                             f"{self.kv_cache_dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "float32", "float16", "bfloat16", "q8_0"):
+            raise ValueError(f"kv_cache_dtype must be auto, float32, float16, bfloat16 or q8_0, "
+                             f"not {self.kv_cache_dtype!r}")
 
     def _check_weights(self) -> None:
         formats = ("auto", "float32", "bfloat16", "float16", "int8", "int4", "gguf")

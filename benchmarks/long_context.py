@@ -14,8 +14,9 @@ one is reused. Peak RSS is the server's VmHWM at the end.
 hold together, a turn of the evicted one (read back from disk), ``kill -9``, a start and its next
 turn, against its cold prefill and a warm turn.
 
-llama-server runs ``-fa on -np 1 -c CONTEXT -t THREADS`` (f16 KV); agentd ``agentd start --model
-GGUF --max-model-len CONTEXT --num-threads THREADS --no-kv-disk`` plus ``--agentd-args``.
+llama-server runs ``-fa on -np 1 -c CONTEXT -t THREADS -ctk KV -ctv KV``; agentd ``agentd start
+--model GGUF --max-model-len CONTEXT --num-threads THREADS --no-kv-disk --kv-cache-dtype KV``
+plus ``--agentd-args``; ``--kv f16,q8_0`` runs both dtypes.
 """
 
 from __future__ import annotations
@@ -62,14 +63,15 @@ def stream(url: str, prompt: list[int], max_tokens: int) -> tuple[float, float |
 
 
 class LlamaServer:
-    def __init__(self, binary: str, gguf: str, context: int, threads: int) -> None:
+    def __init__(self, binary: str, gguf: str, context: int, threads: int,
+                 kv: str = "f16") -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log",
                                                delete=False)
         self.process = subprocess.Popen(
             [binary, "-m", gguf, "-c", str(context), "-np", "1", "-fa", "on", "-t", str(threads),
-             "--host", "127.0.0.1", "--port", str(self.port)],
+             "-ctk", kv, "-ctv", kv, "--host", "127.0.0.1", "--port", str(self.port)],
             stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline:
@@ -158,6 +160,31 @@ def wait_written(url: str, timeout_s: float = 600) -> None:
         time.sleep(0.2)
 
 
+def serve(args: argparse.Namespace, name: str, kv: str, context: int, lengths: list[int],
+          prompts: dict[int, list[int]], turns: dict[int, list[int]]) -> list[tuple]:
+    """One server at one KV dtype over every prompt length: its rows of the table."""
+    started = time.perf_counter()
+    env = {"AGENTD_PREFILL_BF16": "1"} if args.bf16 else None
+    dtype = {"f16": "float16"}.get(kv, kv)
+    server = (Agentd(args.gguf, context, args.threads,
+                     ["--kv-cache-dtype", dtype, *shlex.split(args.agentd_args)], env=env)
+              if name == "agentd" else
+              LlamaServer(args.llama_server, args.gguf, context, args.threads, kv))
+    print(f"{name} ({kv} KV): ready in {time.perf_counter() - started:.1f} s", flush=True)
+    rows = []
+    try:
+        for n in lengths:
+            cold, rate = stream(server.url, prompts[n], args.max_tokens)
+            warm, _ = stream(server.url, prompts[n] + turns[n], 1)
+            rows.append((name, kv, n, cold, rate, warm, server.peak_rss_mib()))
+            print(f"  {n} tokens: cold TTFT {cold:.2f} s ({n / cold:.0f} tok/s), decode "
+                  f"{rate or 0:.2f} tok/s, warm turn (+{args.turn}) TTFT {warm:.2f} s, "
+                  f"peak RSS {rows[-1][6]:.0f} MiB", flush=True)
+    finally:
+        server.stop()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--gguf", required=True)
@@ -169,6 +196,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=49152, help="ids drawn below this")
     parser.add_argument("--agentd-args", default="", help="more `agentd start` options")
     parser.add_argument("--servers", default="agentd,llama")
+    parser.add_argument("--kv", default="f16", help="KV cache dtypes, comma-separated: f16, "
+                        "q8_0 (agentd --kv-cache-dtype float16/q8_0, llama-server -ctk/-ctv)")
     parser.add_argument("--bf16", action="store_true", help="agentd's prefill attention with "
                         "bfloat16 products (AGENTD_PREFILL_BF16=1; AVX512-BF16 CPUs)")
     parser.add_argument("--tier", action="store_true",
@@ -186,40 +215,33 @@ def main() -> None:
     turns = {n: [rng.randrange(1000, args.vocab - 1000) for _ in range(args.turn)]
              for n in lengths}
     rows = []
-    for name in args.servers.split(","):
-        if name == "llama" and not args.llama_server:
-            print("llama-server: skipped (no --llama-server)")
-            continue
-        started = time.perf_counter()
-        env = {"AGENTD_PREFILL_BF16": "1"} if args.bf16 else None
-        server = (Agentd(args.gguf, context, args.threads, shlex.split(args.agentd_args), env=env)
-                  if name == "agentd" else
-                  LlamaServer(args.llama_server, args.gguf, context, args.threads))
-        print(f"{name}: ready in {time.perf_counter() - started:.1f} s", flush=True)
-        try:
-            for n in lengths:
-                cold, rate = stream(server.url, prompts[n], args.max_tokens)
-                warm, _ = stream(server.url, prompts[n] + turns[n], 1)
-                row = (name, n, cold, rate, warm, server.peak_rss_mib())
-                rows.append(row)
-                print(f"  {n} tokens: cold TTFT {cold:.2f} s ({n / cold:.0f} tok/s), decode "
-                      f"{rate or 0:.2f} tok/s, warm turn (+{args.turn}) TTFT {warm:.2f} s, "
-                      f"peak RSS {row[5]:.0f} MiB", flush=True)
-        finally:
-            server.stop()
-    print("\n| server | prompt | cold TTFT | prefill tok/s | decode tok/s | warm TTFT "
+    for kv in args.kv.split(","):
+        for name in args.servers.split(","):
+            if name == "llama" and not args.llama_server:
+                print("llama-server: skipped (no --llama-server)")
+                continue
+            rows += serve(args, name, kv, context, lengths, prompts, turns)
+    print("\n| server | KV | prompt | cold TTFT | prefill tok/s | decode tok/s | warm TTFT "
           f"(+{args.turn}) | peak RSS |")
-    print("|---|---|---|---|---|---|---|")
-    for name, n, cold, rate, warm, rss in rows:
-        print(f"| {name} | {n:,} | {cold:.1f} s | {n / cold:.0f} | {rate or 0:.2f} | "
+    print("|---|---|---|---|---|---|---|---|")
+    for name, kv, n, cold, rate, warm, rss in rows:
+        print(f"| {name} | {kv} | {n:,} | {cold:.1f} s | {n / cold:.0f} | {rate or 0:.2f} | "
               f"{warm:.2f} s | {rss:,.0f} MiB |")
-    by = {(r[0], r[1]): r for r in rows}
-    for n in lengths:
-        a, b = by.get(("agentd", n)), by.get(("llama", n))
-        if a and b:
-            print(f"{n:,} tokens, agentd / llama-server: cold TTFT {a[2] / b[2]:.2f}x, decode "
-                  f"{(a[3] or 0) / (b[3] or 1):.2f}x, warm TTFT {a[4] / b[4]:.2f}x, RSS "
-                  f"{a[5] / b[5]:.2f}x")
+    by = {r[:3]: r for r in rows}
+    for kv in args.kv.split(","):
+        for n in lengths:
+            a, b = by.get(("agentd", kv, n)), by.get(("llama", kv, n))
+            if a and b:
+                print(f"{n:,} tokens, {kv} KV, agentd / llama-server: cold TTFT "
+                      f"{a[3] / b[3]:.2f}x, decode {(a[4] or 0) / (b[4] or 1):.2f}x, warm TTFT "
+                      f"{a[5] / b[5]:.2f}x, RSS {a[6] / b[6]:.2f}x")
+    if "f16" in args.kv and "q8_0" in args.kv:
+        for n in lengths:
+            a, b = by.get(("agentd", "q8_0", n)), by.get(("agentd", "f16", n))
+            if a and b:
+                print(f"{n:,} tokens, agentd q8_0 / f16 KV: decode "
+                      f"{(a[4] or 0) / (b[4] or 1):.2f}x, cold TTFT {a[3] / b[3]:.2f}x, RSS "
+                      f"{a[6] / b[6]:.2f}x")
     if args.tier:
         tier_run(args, max(lengths), context)
     sys.stdout.flush()

@@ -17,6 +17,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from agentd.kernels import kv_quant
+
 # The real modules once load_triton() ran; the kernel modules import these names, and each
 # kernel's module gets them at its first launch (Triton resolves a kernel's globals when it
 # compiles it).
@@ -123,11 +125,14 @@ def block_run(block_ids: list[int], device: torch.device) -> slice | torch.Tenso
 def take_blocks(kv_cache: torch.Tensor, which: int, blocks: slice | torch.Tensor) -> torch.Tensor:
     """Keys (``which=0``) or values (1) of ``blocks``, token after token: ``[n * B, Hkv, D]``.
 
-    The runner's pool keeps all keys before all values, so consecutive blocks are a view.
+    The runner's pool keeps all keys before all values, so consecutive blocks are a view; a
+    q8_0 pool's come out dequantized to fp32.
     """
     plane = kv_cache[:, which]
     part = plane[blocks] if isinstance(blocks, slice) else plane.index_select(0, blocks)
-    return part.reshape(-1, kv_cache.shape[3], kv_cache.shape[4])
+    if kv_quant.is_q8(part):  # q8_0 bytes: dequantized (the torch paths' reference, not fast)
+        part = kv_quant.dequantize_q8_0(part)
+    return part.reshape(-1, kv_cache.shape[3], part.shape[-1])
 
 
 def matmul_dtype(dtype: torch.dtype, device: torch.device) -> torch.dtype:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from agentd.kernels import kv_quant
 from agentd.kernels._common import (
     block_run,
     cdiv,
@@ -63,8 +64,10 @@ def reference_decode_attention(
     num_blocks = cdiv(max_len, block_size)
     table = block_tables[:, :num_blocks].long()
     blocks = kv_cache[table]  # [S, nb, 2, B, Hkv, D]
-    keys = blocks[:, :, 0].reshape(num_seqs, num_blocks * block_size, num_kv_heads, -1)
-    values = blocks[:, :, 1].reshape(num_seqs, num_blocks * block_size, num_kv_heads, -1)
+    keys = kv_quant.widen(blocks[:, :, 0], query.dtype).reshape(
+        num_seqs, num_blocks * block_size, num_kv_heads, -1)
+    values = kv_quant.widen(blocks[:, :, 1], query.dtype).reshape(
+        num_seqs, num_blocks * block_size, num_kv_heads, -1)
     positions = torch.arange(num_blocks * block_size, device=query.device)
     mask = positions[None, :] < seq_lens[:, None].to(query.device)  # [S, L]
     out = torch.nn.functional.scaled_dot_product_attention(

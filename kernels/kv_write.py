@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from agentd.kernels import kv_quant
 from agentd.kernels._common import check_float, check_index, check_kv_cache, jit, next_pow2, tl
 
 
@@ -19,8 +20,8 @@ def reference_write_kv(
     block_size = kv_cache.shape[2]
     block_ids = torch.div(slot_mapping, block_size, rounding_mode="floor")
     offsets = slot_mapping % block_size
-    kv_cache[block_ids, 0, offsets] = key.to(kv_cache.dtype)
-    kv_cache[block_ids, 1, offsets] = value.to(kv_cache.dtype)
+    kv_cache[block_ids, 0, offsets] = kv_quant.store(key, kv_cache.dtype)
+    kv_cache[block_ids, 1, offsets] = kv_quant.store(value, kv_cache.dtype)
 
 
 @jit

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from agentd.engine.free_memory import FreeMemory, MemoryProbe, proc_status_bytes
+from agentd.kernels import kv_quant
+from agentd.kernels.kv_quant import dtype_name
 
 if TYPE_CHECKING:
     from agentd.config import EngineConfig
@@ -34,7 +36,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("agentd")
 
-KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# q8_0: int8 values with an fp16 scale per 32 (agentd.kernels.kv_quant), stored as int8 bytes
+KV_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+             "q8_0": kv_quant.Q8_DTYPE}
 # Why half of what is free: the pool is a ceiling, not a charge (it is allocated lazily zeroed:
 # a block costs RSS once written), but once the prefix cache fills it, it is resident. The rest
 # is for what the daemon needs besides (a 2,048-token step's activations, pin snapshot buffers,
@@ -50,15 +54,14 @@ def resolve_kv_dtype(name: str, dtype: torch.dtype, weights: str,
     (bfloat16 on CUDA by default, ``--dtype bfloat16``), else float16: with low-precision weights
     (a GGUF's blocks, int4, int8, bf16/fp16 linears) the outputs already differ from the exact
     mode's and fp16 keys and values (10 mantissa bits) hold half the bytes per token."""
+    if name == "q8_0" and device.type != "cpu":
+        raise ValueError("--kv-cache-dtype q8_0 runs on the CPU only (agentd's C++ attention); "
+                         f"on {device.type} use float16 or bfloat16")
     if name != "auto":
         return KV_DTYPES[name]
     if dtype != torch.float32 or device.type == "cuda":
         return dtype
     return torch.float32 if weights == "float32" else torch.float16
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def tensor_bytes(module: torch.nn.Module) -> int:

@@ -56,7 +56,7 @@ from agentd.engine.sampler import Sampler
 from agentd.engine.sampling_params import SamplingParams
 from agentd.engine.scheduler import ScheduledRequest, Scheduler, SchedulerStats
 from agentd.engine.spec_decode import SpecStats, make_speculator
-from agentd.kernels import get_attention_backend
+from agentd.kernels import get_attention_backend, kv_quant
 from agentd.model.build import LoadedModel
 from agentd.pins.manager import PinManager, PinResult
 from agentd.pins.pin_request import PinRequest
@@ -167,6 +167,8 @@ class LLMEngine:
         self.max_model_len = self.kv_plan.max_model_len
         loaded.model.fit_context(self.max_model_len)  # the rotary table for the context served
         backend = get_attention_backend(config.attention_backend, loaded.device)
+        if kv_quant.is_q8(kv_dtype) and backend.name == "triton":
+            raise ValueError("--kv-cache-dtype q8_0 needs the cpu or torch attention backend")
         # routers' KV events: every hash the pool stores or evicts (a null sink unless asked)
         self.kv_events = open_kv_events(config.kv_events, self.model_name, config.block_size,
                                         loaded.device.type)

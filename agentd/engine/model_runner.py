@@ -14,7 +14,7 @@ import torch
 
 from agentd.cache import KVCopy
 from agentd.engine.scheduler import ScheduledRequest
-from agentd.kernels import AttentionBackend, attention_step
+from agentd.kernels import AttentionBackend, attention_step, kv_quant
 from agentd.model.llama import AttentionMetadata, LlamaModel
 from agentd.model.onednn import release_free_memory
 
@@ -31,7 +31,8 @@ class StepResult:
 
 
 _NUMPY_TWINS = {torch.float32: np.float32, torch.float16: np.float16,
-                torch.bfloat16: np.uint16}  # numpy has no bfloat16: its bits, viewed
+                torch.bfloat16: np.uint16,  # numpy has no bfloat16: its bits, viewed
+                torch.int8: np.int8}  # q8_0's bytes
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -63,15 +64,16 @@ class ModelRunner:
         dims = model.dims
         # Logically [num_blocks, 2, B, Hkv, D]; stored as all keys, then all values, so that a
         # run of blocks' keys (or values) is one contiguous slice the CPU attention reads in place.
-        shape = (2, num_blocks, block_size, dims.num_kv_heads, dims.head_dim)
+        shape = (2, num_blocks, block_size, dims.num_kv_heads,
+                 kv_quant.row_width(dims.head_dim, kv_dtype))
         self.kv_caches = [lazy_zeros(shape, kv_dtype, device).transpose(0, 1)
                           for _ in range(dims.num_layers)]
 
     @staticmethod
     def kv_bytes_per_block(model: LlamaModel, block_size: int, dtype: torch.dtype) -> int:
         dims = model.dims
-        elem_bytes = torch.empty((), dtype=dtype).element_size()
-        return dims.num_layers * 2 * block_size * dims.num_kv_heads * dims.head_dim * elem_bytes
+        row = kv_quant.row_width(dims.head_dim, dtype) * torch.empty((), dtype=dtype).element_size()
+        return dims.num_layers * 2 * block_size * dims.num_kv_heads * row
 
     def copy_kv(self, copies: list[KVCopy]) -> None:
         """Copy the first slots of blocks into others, in every layer, in order (before a

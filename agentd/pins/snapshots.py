@@ -25,13 +25,15 @@ import torch
 import xxhash
 
 from agentd.cache import Pin
+from agentd.kernels.kv_quant import dtype_name
 from agentd.pins.registry_file import fsync_dir, private_dir, write_atomic
 
 CHECKSUM_SUFFIX = ".xxh3"
 MAGIC = b"agentd-kv-snapshot 1\n"
 _ALIGN = 64
 _CHUNK_BYTES = 4 * 2**20
-_DTYPES = {name: getattr(torch, name) for name in ("float32", "float16", "bfloat16")}
+# int8: a q8_0 pool's bytes (agentd.kernels.kv_quant)
+_DTYPES = {name: getattr(torch, name) for name in ("float32", "float16", "bfloat16", "int8")}
 _KEPT_CHARS = frozenset("abcdefghijklmnopqrstuvwxyz0123456789.-")
 
 
@@ -261,12 +263,13 @@ def check_snapshot(payload: dict[str, Any], token_ids: list[int], cache_salt: st
         raise SnapshotMismatch("it was taken under another cache salt (tenant)")
     if payload.get("token_ids") != token_ids[:num_full_tokens]:
         raise SnapshotMismatch("its tokens differ from the pin's (the template changed?)")
+    if isinstance(kv, torch.Tensor) and kv.dtype != kv_caches[0].dtype:
+        # the fingerprint says so too; never convert silently (a q8_0 pool is int8)
+        raise SnapshotMismatch(f"its KV is {dtype_name(kv.dtype)}, the pool's "
+                               f"{dtype_name(kv_caches[0].dtype)} (another --kv-cache-dtype)")
     if not isinstance(kv, torch.Tensor) or tuple(kv.shape) != (
             len(kv_caches), num_blocks, *kv_caches[0].shape[1:]):
         raise SnapshotMismatch("its KV tensor has the wrong shape for this model and pool")
-    if kv.dtype != kv_caches[0].dtype:  # the fingerprint says so too; never convert silently
-        raise SnapshotMismatch(f"its KV is {kv.dtype}, the pool's {kv_caches[0].dtype} "
-                               "(another --kv-cache-dtype)")
     return kv
 
 def snapshot_tail(payload: dict[str, Any], tail: list[int],

@@ -19,10 +19,21 @@
 
 namespace agentd_cpu {
 
-enum KvDtype : int { kKvF32 = 0, kKvF16 = 1, kKvBF16 = 2 };
+// kKvQ8: q8_0, each head row of D values as D / 32 blocks of 34 bytes, an fp16 scale d then 32
+// int8 q (value = d * q, exact in fp32), llama.cpp's block_q8_0 (agentd/kernels/kv_quant.py).
+enum KvDtype : int { kKvF32 = 0, kKvF16 = 1, kKvBF16 = 2, kKvQ8 = 3 };
+
+constexpr int kQ8Group = 32, kQ8Bytes = 34;
+
+// The bytes of one head row of head_dim values in the pool.
+constexpr int64_t kv_head_bytes(KvDtype dtype, int head_dim) {
+  return dtype == kKvQ8 ? int64_t{head_dim} / kQ8Group * kQ8Bytes
+                        : int64_t{head_dim} * (dtype == kKvF32 ? 4 : 2);
+}
 
 // One layer's pool, logically [num_blocks, 2, block_size, num_kv_heads, head_dim] (strides in
-// elements; keys at kv index 0, values at 1).
+// elements of its storage, bytes for q8_0; keys at kv index 0, values at 1; head_dim counts
+// values, not bytes).
 struct KvLayout {
   void* data;
   KvDtype dtype;
@@ -41,10 +52,15 @@ struct DecodeBatch {
 // Slots a span of several rows widens at a time, one KV head's rows of them (ops_impl.h).
 constexpr int kSpanTileSlots = 16;
 
+// The floats between two queries' rows of scores over n slots: whole lines, and one line more,
+// so that rows of a power-of-two span do not land in one L1 set (32 heads' rows 4,096 slots
+// apart all map to one set of a 12-way L1, every score write and read a miss).
+inline int64_t score_stride(int n) { return (int64_t{n} + 15) / 16 * 16 + 16; }
+
 // Scratch floats attend_span needs for num_rows rows over n slots: scaled queries and scores,
 // and for several rows a tile of widened head rows.
 inline size_t span_scratch_floats(const KvLayout& kv, int num_heads, int num_rows, int n) {
-  return static_cast<size_t>(num_rows) * num_heads * (kv.head_dim + n) +
+  return static_cast<size_t>(num_rows) * num_heads * (kv.head_dim + score_stride(n)) +
          (num_rows > 1 ? size_t{kSpanTileSlots} * kv.head_dim : 0);
 }
 

@@ -31,10 +31,26 @@ inline float dot_kv(const float* q, const void* k, int n) {
   return s;
 }
 
+#if defined(AGENTD_OPS_AVX512) || defined(AGENTD_OPS_AVX2)
+// q . k over one q8_0 block (32 values at k, its scale not applied).
+inline Vec dot_q8_block(const float* q, const uint8_t* k, Vec acc) {
+  for (int c = 0; c < kQ8Group; c += kWidth) acc = vfma(vload(q + c), widen_i8(k + c), acc);
+  return acc;
+}
+#endif
+
 // q . k (k: D pool elements), as one lane of dot4_kv.
 template <KvDtype kT>
 inline float dot1_kv(const float* q, const void* k, int D) {
 #if defined(AGENTD_OPS_AVX512) || defined(AGENTD_OPS_AVX2)
+  if constexpr (kT == kKvQ8) {  // each block's sum scaled once (D % 32 == 0 in a q8_0 pool)
+    Vec a = vzero();
+    for (int d = 0; d < D; d += kQ8Group) {
+      const uint8_t* b = q8_block(k, d);
+      a = vfma(vset1(q8_scale(b)), dot_q8_block(q + d, b + 2, vzero()), a);
+    }
+    return reduce1(a);
+  }
   if (D % kWidth == 0) {
     Vec a = vzero();
     for (int d = 0; d < D; d += kWidth) a = vfma(vload(q + d), widen_vec<kT>(k, d), a);
@@ -48,6 +64,17 @@ inline float dot1_kv(const float* q, const void* k, int D) {
 template <KvDtype kT>
 inline void dot4_kv(const float* const* q, const void* const* k, int D, float* out) {
 #if defined(AGENTD_OPS_AVX512) || defined(AGENTD_OPS_AVX2)
+  if constexpr (kT == kKvQ8) {
+    Vec a[4] = {vzero(), vzero(), vzero(), vzero()};
+    for (int d = 0; d < D; d += kQ8Group) {
+      for (int j = 0; j < 4; ++j) {
+        const uint8_t* b = q8_block(k[j], d);
+        a[j] = vfma(vset1(q8_scale(b)), dot_q8_block(q[j] + d, b + 2, vzero()), a[j]);
+      }
+    }
+    _mm_storeu_ps(out, reduce4(a[0], a[1], a[2], a[3]));
+    return;
+  }
   if (D % kWidth == 0) {
     Vec a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
     for (int d = 0; d < D; d += kWidth) {
@@ -68,6 +95,16 @@ template <KvDtype kT>
 inline void axpy_kv(float* y, float a, const void* v, int n) {
   int i = 0;
 #if defined(AGENTD_OPS_AVX512) || defined(AGENTD_OPS_AVX2)
+  if constexpr (kT == kKvQ8) {  // a times each block's scale, once (n % 32 == 0)
+    for (; i < n; i += kQ8Group) {
+      const uint8_t* b = q8_block(v, i);
+      const Vec w = vset1(a * q8_scale(b));
+      for (int c = 0; c < kQ8Group; c += kWidth) {
+        vstore(y + i + c, vfma(w, widen_i8(b + 2 + c), vload(y + i + c)));
+      }
+    }
+    return;
+  }
   const Vec va = vset1(a);
   for (; i + kWidth <= n; i += kWidth) vstore(y + i, vfma(va, widen_vec<kT>(v, i), vload(y + i)));
 #endif
@@ -123,7 +160,8 @@ inline void scaled_queries(const DecodeBatch& batch, const int32_t* rows, int nu
 // sequence whose block table is `table`.
 template <KvDtype kT>
 struct SlotRows {
-  static constexpr int64_t kElem = kT == kKvF32 ? 4 : 2;
+  static constexpr int64_t kElem = kT == kKvF32 ? 4 : kT == kKvQ8 ? 1 : 2;
+  static constexpr int64_t head_bytes(int D) { return kv_head_bytes(kT, D); }
   const KvLayout& kv;
   const int32_t* table;
   const char* operator()(int pos, int which) const {
@@ -135,9 +173,10 @@ struct SlotRows {
 
 // Scores [Q, n] into unnormalized probabilities; each query's partial [top, sum, acc...]
 // gets its top score and sum, its acc zeroed for the values.
-inline void span_probabilities(float* scores, int Q, int n, int D, float* partial) {
+inline void span_probabilities(float* scores, int Q, int n, int64_t stride, int D,
+                               float* partial) {
   for (int i = 0; i < Q; ++i) {
-    float* s = scores + static_cast<int64_t>(i) * n;
+    float* s = scores + i * stride;
     float* out = partial + static_cast<int64_t>(i) * (D + 2);
     out[0] = lane_max(s, n);
     exp_shifted(s, n, out[0]);
@@ -150,9 +189,9 @@ inline void span_probabilities(float* scores, int Q, int n, int D, float* partia
 template <KvDtype kT>
 inline void widen_slots(const SlotRows<kT>& slot_row, int t0, int t1, int which, int kh, int D,
                         float* dst) {
-  constexpr int64_t kElem = SlotRows<kT>::kElem;
+  const int64_t head = int64_t{kh} * SlotRows<kT>::head_bytes(D);
   for (int pos = t0; pos < t1; ++pos) {
-    const char* src = slot_row(pos, which) + int64_t{kh} * D * kElem;
+    const char* src = slot_row(pos, which) + head;
     float* row = dst + (pos - t0) * D;
     int d = 0;
 #if defined(AGENTD_OPS_AVX512) || defined(AGENTD_OPS_AVX2)
@@ -174,8 +213,9 @@ void attend_span_as(const KvLayout& kv, const DecodeBatch& batch, const int32_t*
                     float* scratch) {
   const int D = kv.head_dim, H = batch.num_heads;
   const int G = H / kv.num_kv_heads, Q = num_rows * H, n = p1 - p0;
-  constexpr int64_t kElem = SlotRows<kT>::kElem;
-  const int64_t row_bytes = int64_t{kv.num_kv_heads} * D * kElem;
+  const int64_t ns = score_stride(n);
+  const int64_t head_bytes = SlotRows<kT>::head_bytes(D);
+  const int64_t row_bytes = int64_t{kv.num_kv_heads} * head_bytes;
   float* q = scratch;         // [Q, D], scaled
   float* scores = q + Q * D;  // [Q, n]
   scaled_queries(batch, rows, num_rows, D, q);
@@ -195,24 +235,24 @@ void attend_span_as(const KvLayout& kv, const DecodeBatch& batch, const int32_t*
       const void* ks[4];
       for (int j = 0; j < 4; ++j) {
         qs[j] = q + (i0 + j) * D;
-        ks[j] = k + ((i0 + j) % H) / G * D * kElem;
+        ks[j] = k + ((i0 + j) % H) / G * head_bytes;
       }
       float four[4];
       dot4_kv<kT>(qs, ks, D, four);
-      for (int j = 0; j < 4; ++j) scores[static_cast<int64_t>(i0 + j) * n + pos - p0] = four[j];
+      for (int j = 0; j < 4; ++j) scores[(i0 + j) * ns + pos - p0] = four[j];
     }
     for (; i0 < Q; ++i0) {
-      scores[static_cast<int64_t>(i0) * n + pos - p0] =
-          dot1_kv<kT>(q + i0 * D, k + (i0 % H) / G * D * kElem, D);
+      scores[i0 * ns + pos - p0] =
+          dot1_kv<kT>(q + i0 * D, k + (i0 % H) / G * head_bytes, D);
     }
   }
-  span_probabilities(scores, Q, n, D, partial);
+  span_probabilities(scores, Q, n, ns, D, partial);
   for (int pos = p0; pos < p1; ++pos) {
     prefetch(pos + kAhead, 1);
     const char* v = slot_row(pos, 1);
     for (int i = 0; i < Q; ++i) {
       axpy_kv<kT>(partial + static_cast<int64_t>(i) * (D + 2) + 2,
-                  scores[static_cast<int64_t>(i) * n + pos - p0], v + (i % H) / G * D * kElem,
+                  scores[i * ns + pos - p0], v + (i % H) / G * head_bytes,
                   D);
     }
   }
@@ -233,8 +273,8 @@ void attend_rows_as(const KvLayout& kv, const DecodeBatch& batch, const int32_t*
                     float* scratch, float* tile) {
   const int D = kv.head_dim, H = batch.num_heads, Hkv = kv.num_kv_heads;
   const int G = H / Hkv, Q = num_rows * H, n = p1 - p0;
-  constexpr int64_t kElem = SlotRows<kT>::kElem;
-  const int64_t row_bytes = int64_t{Hkv} * D * kElem;
+  const int64_t ns = score_stride(n);
+  const int64_t row_bytes = int64_t{Hkv} * SlotRows<kT>::head_bytes(D);
   float* q = scratch;         // [Q, D], scaled; query i = r * H + h
   float* scores = q + Q * D;  // [Q, n]
   scaled_queries(batch, rows, num_rows, D, q);
@@ -253,7 +293,7 @@ void attend_rows_as(const KvLayout& kv, const DecodeBatch& batch, const int32_t*
       for (int r = 0; r < num_rows; ++r) {
         for (int g = 0; g < G; ++g) {
           const int i = r * H + kh * G + g;
-          float* s = scores + static_cast<int64_t>(i) * n - p0;
+          float* s = scores + i * ns - p0;
           const float* qs[4] = {q + i * D, q + i * D, q + i * D, q + i * D};
           int pos = t0;
           for (; pos + 4 <= t1; pos += 4) {  // four slots at a time
@@ -266,7 +306,7 @@ void attend_rows_as(const KvLayout& kv, const DecodeBatch& batch, const int32_t*
       }
     }
   }
-  span_probabilities(scores, Q, n, D, partial);
+  span_probabilities(scores, Q, n, ns, D, partial);
   for (int t0 = p0; t0 < p1; t0 += kTileSlots) {
     const int t1 = std::min(p1, t0 + kTileSlots);
     prefetch_tile(t1, 1);
@@ -275,7 +315,7 @@ void attend_rows_as(const KvLayout& kv, const DecodeBatch& batch, const int32_t*
       for (int r = 0; r < num_rows; ++r) {
         for (int g = 0; g < G; ++g) {
           const int i = r * H + kh * G + g;
-          const float* p = scores + static_cast<int64_t>(i) * n - p0;
+          const float* p = scores + i * ns - p0;
           axpy_tile(partial + static_cast<int64_t>(i) * (D + 2) + 2, p + t0, tile, t1 - t0, D);
         }
       }
@@ -305,6 +345,9 @@ void attend_span(const KvLayout& kv, const DecodeBatch& batch, const int32_t* ro
       break;
     case kKvBF16:
       attend_span_for<kKvBF16>(kv, batch, rows, num_rows, table, p0, p1, partial, scratch);
+      break;
+    case kKvQ8:
+      attend_span_for<kKvQ8>(kv, batch, rows, num_rows, table, p0, p1, partial, scratch);
       break;
     default:
       attend_span_for<kKvF32>(kv, batch, rows, num_rows, table, p0, p1, partial, scratch);

@@ -54,12 +54,19 @@ KvLayout kv_layout(const at::Tensor& kv) {
     case at::kFloat: dtype = agentd_cpu::kKvF32; break;
     case at::kHalf: dtype = agentd_cpu::kKvF16; break;
     case at::kBFloat16: dtype = agentd_cpu::kKvBF16; break;
-    default: TORCH_CHECK(false, "kv_cache must be float32, float16 or bfloat16, got ",
-                         kv.scalar_type());
+    case at::kChar: dtype = agentd_cpu::kKvQ8; break;  // q8_0 bytes (kv_quant.py)
+    default: TORCH_CHECK(false, "kv_cache must be float32, float16, bfloat16 or int8 (q8_0), "
+                         "got ", kv.scalar_type());
+  }
+  int64_t head_dim = kv.size(4);
+  if (dtype == agentd_cpu::kKvQ8) {
+    TORCH_CHECK(head_dim % agentd_cpu::kQ8Bytes == 0, "a q8_0 kv_cache's rows must be whole ",
+                agentd_cpu::kQ8Bytes, "-byte blocks, got ", head_dim, " bytes");
+    head_dim = head_dim / agentd_cpu::kQ8Bytes * agentd_cpu::kQ8Group;
   }
   return {kv.data_ptr(), dtype, kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
           static_cast<int>(kv.size(2)), static_cast<int>(kv.size(3)),
-          static_cast<int>(kv.size(4))};
+          static_cast<int>(head_dim)};
 }
 
 // Decode rows grouped as the torch path groups them: by first block, each group sharing the
@@ -387,7 +394,9 @@ void rope_write_kv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
     TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " is outside the pool");
   }
   const OpsKernels& ops = agentd_cpu::ops_kernels(static_cast<int>(isa));
-  const int64_t elem = kv.dtype == agentd_cpu::kKvF32 ? 4 : 2;
+  const int64_t elem = kv.dtype == agentd_cpu::kKvF32  ? 4
+                       : kv.dtype == agentd_cpu::kKvQ8 ? 1
+                                                       : 2;  // bytes a storage element
   auto* pool = static_cast<uint8_t*>(kv.data);
   py::gil_scoped_release no_gil;
   over_rows(T, (q.size(1) + 2 * k.size(1)) * D, [&](int64_t t0, int64_t t1) {

@@ -5,8 +5,11 @@
 // Invariant: internal linkage only (an anonymous namespace), compiled per ISA file.
 #pragma once
 
+#include <algorithm>
 #include <bit>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "ops.h"
 #include "ops_vec.h"
@@ -38,7 +41,27 @@ inline uint16_t fp32_to_bf16(float f) {
   return static_cast<uint16_t>((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
 }
 
+// n values (n % 32 == 0) as q8_0 blocks: d = max|x| / 127 rounded to fp16, q = x * (1 / d)
+// rounded half to even, clamped to [-127, 127] (kv_quant.quantize_q8_0's bytes).
+inline void store_q8_0(const float* src, uint8_t* dst, int n) {
+  for (int b = 0; b < n / kQ8Group; ++b, src += kQ8Group, dst += kQ8Bytes) {
+    float amax = 0.0f;
+    for (int i = 0; i < kQ8Group; ++i) amax = std::max(amax, std::fabs(src[i]));
+    const uint16_t dh = fp32_to_fp16(amax / 127.0f);
+    std::memcpy(dst, &dh, 2);
+    const float d = fp16_to_fp32(dh), inv = d > 0.0f ? 1.0f / d : 0.0f;
+    for (int i = 0; i < kQ8Group; ++i) {
+      const float q = std::nearbyint(src[i] * inv);  // the default mode: half to even
+      dst[2 + i] = static_cast<uint8_t>(static_cast<int8_t>(std::clamp(q, -127.0f, 127.0f)));
+    }
+  }
+}
+
 void store_row(const float* src, void* dst, KvDtype dtype, int n) {
+  if (dtype == kKvQ8) {
+    store_q8_0(src, static_cast<uint8_t*>(dst), n);
+    return;
+  }
   if (dtype == kKvF32) {
     std::memcpy(dst, src, sizeof(float) * n);
     return;

@@ -275,8 +275,8 @@ void attend_chunk_bf16_as(const KvLayout& kv, const float* query, int64_t query_
                           int num_heads, float scale, const int32_t* table, int first_pos,
                           int num_rows, int kh0, int num_kh, float* out, int64_t out_stride,
                           float* scratch) {
-  constexpr int64_t kElem = SlotRows<kT>::kElem;
   const int D = kv.head_dim, G = num_heads / kv.num_kv_heads, M = num_rows * G, P = D / 2;
+  const int64_t head_bytes = SlotRows<kT>::head_bytes(D);
   // per KV head: qp [P, kMQ] query pairs (scaled), o [kMQ, D], top, sum [kMQ]
   const size_t per_head = chunk_head_floats(D);
   float* st = scratch + num_kh * per_head;  // [kTK + 1, kMQ]
@@ -304,7 +304,7 @@ void attend_chunk_bf16_as(const KvLayout& kv, const float* query, int64_t query_
   for (int t0 = 0; t0 < end; t0 += kTK) {
     const int t1 = std::min(end, t0 + kTK), n = t1 - t0, nu = (n + 1) / 2;
     for (int j = 0; j < num_kh; ++j) {  // the heads of a slot are one row of the pool
-      const int64_t head = int64_t{kh0 + j} * D * kElem;
+      const int64_t head = int64_t{kh0 + j} * head_bytes;
       float* o = scratch + j * per_head;
       float* top = o + kMQ * D;
       float* sum = top + kMQ;
@@ -327,13 +327,13 @@ void attend_chunk_bf16_as(const KvLayout& kv, const float* query, int64_t query_
           // shape, 300 rows behind 16k: 126 ms a layer without, 95 ms with; the fp32 products,
           // twice the instructions, did not gain; as a helper function it gained nothing either)
           const bool last = j + 1 == num_kh;
-          const int64_t next = last ? int64_t{kh0} * D * kElem : head + D * kElem;
+          const int64_t next = last ? int64_t{kh0} * head_bytes : head + head_bytes;
           for (int u = 0; u < 2; ++u) {
             const int pos = (last ? t1 : t0) + t + u;
             if (pos >= end) break;
             for (int which = 0; which < 2; ++which) {
               const char* src = slot_row(pos, which) + next;
-              for (int64_t off = 0; off < D * kElem; off += 64) {
+              for (int64_t off = 0; off < head_bytes; off += 64) {
                 _mm_prefetch(src + off, _MM_HINT_T0);
               }
             }
@@ -388,10 +388,10 @@ void attend_chunk_bf16_as(const KvLayout& kv, const float* query, int64_t query_
   }
 }
 
-// The kernels by pool dtype (KvDtype's order: f32, f16, bf16).
-constexpr AttendChunkFn kAttendChunkBf16[] = {attend_chunk_bf16_as<kKvF32>,
-                                              attend_chunk_bf16_as<kKvF16>,
-                                              attend_chunk_bf16_as<kKvBF16>};
+// The kernels by pool dtype (KvDtype's order: f32, f16, bf16, q8_0).
+constexpr AttendChunkFn kAttendChunkBf16[] = {
+    attend_chunk_bf16_as<kKvF32>, attend_chunk_bf16_as<kKvF16>, attend_chunk_bf16_as<kKvBF16>,
+    attend_chunk_bf16_as<kKvQ8>};
 
 void attend_chunk_bf16(const KvLayout& kv, const float* query, int64_t query_stride,
                        int num_heads, float scale, const int32_t* table, int first_pos,
@@ -403,7 +403,7 @@ void attend_chunk_bf16(const KvLayout& kv, const float* query, int64_t query_str
 #endif
 
 constexpr AttendChunkFn kAttendChunk[] = {attend_chunk_as<kKvF32>, attend_chunk_as<kKvF16>,
-                                          attend_chunk_as<kKvBF16>};
+                                          attend_chunk_as<kKvBF16>, attend_chunk_as<kKvQ8>};
 
 void attend_chunk(const KvLayout& kv, const float* query, int64_t query_stride, int num_heads,
                   float scale, const int32_t* table, int first_pos, int num_rows, int kh,

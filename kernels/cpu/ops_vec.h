@@ -20,11 +20,28 @@
 namespace agentd_cpu {
 namespace {
 
-// Pool elements: fp32 as they are, fp16 and bf16 widened in registers.
+// The fp16 scale and the int8 values of the q8_0 block that holds value i of a head row.
+inline const uint8_t* q8_block(const void* p, int i) {
+  return static_cast<const uint8_t*>(p) + (i / kQ8Group) * kQ8Bytes;
+}
+inline float q8_scale(const uint8_t* block) {
+  uint16_t d;
+  std::memcpy(&d, block, 2);
+#if defined(AGENTD_OPS_AVX512) || defined(AGENTD_OPS_AVX2)
+  return _cvtsh_ss(d);  // F16C: exact, as fp16_to_fp32
+#else
+  return fp16_to_fp32(d);
+#endif
+}
+
+// Pool elements: fp32 as they are, fp16 and bf16 widened in registers, q8_0 scaled (exact).
 template <KvDtype kT>
 inline float widen1(const void* p, int i) {
   if constexpr (kT == kKvF32) {
     return static_cast<const float*>(p)[i];
+  } else if constexpr (kT == kKvQ8) {
+    const uint8_t* b = q8_block(p, i);
+    return q8_scale(b) * static_cast<float>(static_cast<int8_t>(b[2 + i % kQ8Group]));
   } else if constexpr (kT == kKvF16) {
     return fp16_to_fp32(static_cast<const uint16_t*>(p)[i]);
   } else {
@@ -39,12 +56,22 @@ template <KvDtype kT>
 inline Vec widen_vec(const void* p, int i) {
   if constexpr (kT == kKvF32) {
     return _mm512_loadu_ps(static_cast<const float*>(p) + i);
+  } else if constexpr (kT == kKvQ8) {  // i % 16 == 0: one block holds all 16
+    const uint8_t* b = q8_block(p, i);
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + i % kQ8Group));
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)),
+                         _mm512_set1_ps(q8_scale(b)));
   } else {
     const __m256i h = _mm256_loadu_si256(
         reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + i));
     if constexpr (kT == kKvF16) return _mm512_cvtph_ps(h);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
+}
+// kWidth int8 as floats.
+inline Vec widen_i8(const uint8_t* p) {
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
 }
 inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
@@ -82,12 +109,21 @@ template <KvDtype kT>
 inline Vec widen_vec(const void* p, int i) {
   if constexpr (kT == kKvF32) {
     return _mm256_loadu_ps(static_cast<const float*>(p) + i);
+  } else if constexpr (kT == kKvQ8) {  // i % 8 == 0: one block holds all 8
+    const uint8_t* b = q8_block(p, i);
+    const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + i % kQ8Group));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)),
+                         _mm256_set1_ps(q8_scale(b)));
   } else {
     const __m128i h = _mm_loadu_si128(
         reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i));
     if constexpr (kT == kKvF16) return _mm256_cvtph_ps(h);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
+}
+inline Vec widen_i8(const uint8_t* p) {
+  const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
 }
 inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }

@@ -180,7 +180,7 @@ def test_detach_status_stop_round_trip(runner: CliRunner, detached: dict) -> Non
 
 def test_start_help_lists_the_kv_cache_dtype_and_the_auto_pool(runner: CliRunner) -> None:
     help_text = " ".join(runner.invoke(main, ["start", "--help"]).output.split())
-    assert "--kv-cache-dtype [auto|float32|float16|bfloat16]" in help_text, help_text
+    assert "--kv-cache-dtype [auto|float32|float16|bfloat16|q8_0]" in help_text, help_text
     assert "attention math stays fp32" in help_text and "AGENTD_KV_CACHE_DTYPE" in help_text
     assert "[default: room for --max-model-len tokens for each of --max-num-seqs requests, " \
         "within half the memory free at start" in help_text, help_text

@@ -102,7 +102,7 @@ def test_auto_is_fp32_only_in_the_exact_mode() -> None:
     assert resolve_kv_dtype("auto", torch.bfloat16, "bfloat16", cuda) == torch.bfloat16
     assert resolve_kv_dtype("auto", torch.float32, "float32", cuda) == torch.float32
     assert resolve_kv_dtype("bfloat16", torch.float32, "float32", cpu) == torch.bfloat16
-    with pytest.raises(ValueError, match="kv_cache_dtype must be auto, float32, float16 or"):
+    with pytest.raises(ValueError, match="must be auto, float32, float16, bfloat16 or q8_0, not"):
         EngineConfig(kv_cache_dtype="int8")
 
 

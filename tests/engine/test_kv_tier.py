@@ -25,10 +25,11 @@ NUM_CACHED = PROMPT_LEN // BLOCK_SIZE * BLOCK_SIZE
 MAX_TOKENS = 8
 
 
-def make_engine(model: Path, disk: Path | None) -> LLMEngine:
-    config = engine_config(str(model), kv_cache_memory_bytes=POOL_BLOCKS * 8192,
+def make_engine(model: Path, disk: Path | None, block_bytes: int = 8192,
+                **engine_args) -> LLMEngine:
+    config = engine_config(str(model), kv_cache_memory_bytes=POOL_BLOCKS * block_bytes,
                            dtype="float32", speculative="off",
-                           kv_disk_dir=None if disk is None else str(disk))
+                           kv_disk_dir=None if disk is None else str(disk), **engine_args)
     return LLMEngine(config)
 
 
@@ -105,6 +106,27 @@ def test_an_evicted_prefix_comes_back_from_disk_exactly(model, reference, tmp_pa
                                 strict=True):
         assert torch.equal(loaded, computed)  # the bytes it was computed with: same logits
     engine.kv_cache.pool.check_integrity()
+    engine.close()
+
+
+def test_an_evicted_q8_prefix_comes_back_from_disk_byte_for_byte(tiny_model_factory,
+                                                                 tmp_path) -> None:
+    """A q8_0 pool (tiny qwen3: one KV head of 32, 34 bytes a head row): its blocks' bytes go to
+    disk and come back as they were, the greedy tokens those of the blocks computed."""
+    qwen3 = tiny_model_factory("qwen3")
+    (prompt,) = prompts(1, 1, PROMPT_LEN)
+    ref_engine = make_engine(qwen3, None, 2 * 2 * BLOCK_SIZE * 34, kv_cache_dtype="q8_0")
+    expected, _ = run(ref_engine, prompt)
+    engine = make_engine(qwen3, tmp_path / "kv", 2 * 2 * BLOCK_SIZE * 34, kv_cache_dtype="q8_0")
+    assert engine.runner.kv_caches[0].dtype == torch.int8
+    assert run(engine, prompt) == (expected, 0)
+    stored(engine, NUM_CACHED // BLOCK_SIZE)
+    evict(engine, prompt)
+    assert run(engine, prompt) == (expected, NUM_CACHED)
+    assert engine.stats().scheduler.prefix_cache_disk_hits == NUM_CACHED
+    for loaded, computed in zip(pool_kv(engine, prompt), pool_kv(ref_engine, prompt),
+                                strict=True):
+        assert torch.equal(loaded, computed)
     engine.close()
 
 

@@ -201,51 +201,6 @@ inline void widen_slots(const SlotRows<kT>& slot_row, int t0, int t1, int which,
   }
 }
 
-#if defined(AGENTD_OPS_AVX512) || defined(AGENTD_OPS_AVX2)
-// attend_span_as's values: slots in tiles of kTileValueSlots, and per query 32 of its D sums at
-// a time held in registers over the tile (the tile's rows stay in L1 across the queries),
-// instead of every slot adding into every query's sums in memory. Query i's sums at partial +
-// i * (D + 2) + 2, its weights at scores + i * ns - p0; a q8_0 block's scale goes into the
-// weight. Each sum still adds its terms in slot order, as the slot-by-slot loop did.
-constexpr int kTileValueSlots = 16;
-
-template <KvDtype kT, typename Prefetch>
-inline void values_tiled(const SlotRows<kT>& slot_row, int Q, int H, int G, int64_t head_bytes,
-                         int p0, int p1, const float* scores, int64_t ns, float* partial, int D,
-                         const Prefetch& prefetch) {
-  constexpr int kVecs = kQ8Group / kWidth;  // vectors in 32 values
-  for (int t0 = p0; t0 < p1; t0 += kTileValueSlots) {
-    const int t1 = std::min(p1, t0 + kTileValueSlots);
-    for (int pos = t1; pos < std::min(p1, t1 + kTileValueSlots); ++pos) prefetch(pos, 1);
-    const char* rows[kTileValueSlots];
-    for (int pos = t0; pos < t1; ++pos) rows[pos - t0] = slot_row(pos, 1);
-    for (int i = 0; i < Q; ++i) {
-      const int64_t head = int64_t{(i % H) / G} * head_bytes;
-      const float* p = scores + i * ns - p0;
-      float* acc = partial + static_cast<int64_t>(i) * (D + 2) + 2;
-      for (int d = 0; d < D; d += kQ8Group) {
-        Vec a[kVecs];
-        for (int c = 0; c < kVecs; ++c) a[c] = vload(acc + d + c * kWidth);
-        for (int pos = t0; pos < t1; ++pos) {
-          const char* v = rows[pos - t0] + head;
-          if constexpr (kT == kKvQ8) {
-            const uint8_t* b = q8_block(v, d);
-            const Vec w = vset1(p[pos] * q8_scale(b));
-            for (int c = 0; c < kVecs; ++c) a[c] = vfma(w, widen_i8(b + 2 + c * kWidth), a[c]);
-          } else {
-            const Vec w = vset1(p[pos]);
-            for (int c = 0; c < kVecs; ++c) {
-              a[c] = vfma(w, widen_vec<kT>(v, d + c * kWidth), a[c]);
-            }
-          }
-        }
-        for (int c = 0; c < kVecs; ++c) vstore(acc + d + c * kWidth, a[c]);
-      }
-    }
-  }
-}
-#endif
-
 // The queries of rows[0..num_rows) (every head) against slots [p0, p1) of `table`: for each
 // query (r, h) its top score, the sum of exp(score - top) and the sum of exp(score - top) * v,
 // into partial + (r * H + h) * (D + 2) as [top, sum, acc...]. Each slot's keys (then values)
@@ -292,12 +247,6 @@ void attend_span_as(const KvLayout& kv, const DecodeBatch& batch, const int32_t*
     }
   }
   span_probabilities(scores, Q, n, ns, D, partial);
-#if defined(AGENTD_OPS_AVX512) || defined(AGENTD_OPS_AVX2)
-  if (D % kQ8Group == 0) {  // the values in tiles, each query's sums in registers
-    values_tiled<kT>(slot_row, Q, H, G, head_bytes, p0, p1, scores, ns, partial, D, prefetch);
-    return;
-  }
-#endif
   for (int pos = p0; pos < p1; ++pos) {
     prefetch(pos + kAhead, 1);
     const char* v = slot_row(pos, 1);

@@ -39,25 +39,32 @@ from agentd.bench.spawn import SpawnedDaemon, free_port
 
 
 def stream(url: str, prompt: list[int], max_tokens: int) -> tuple[float, float | None]:
-    """(TTFT, decode tok/s after the first token) of one greedy streamed completion."""
+    """(TTFT, decode tok/s after the first token) of one greedy streamed completion. Tokens are
+    counted from the final usage (``stream_options.include_usage``) where the server sends it:
+    an event may carry several tokens (agentd's speculative steps), so counting events would
+    undercount; where no usage comes back, events are counted."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True, "model": "m"}
+            "ignore_eos": True, "model": "m", "stream_options": {"include_usage": True}}
     started = time.perf_counter()
     first = last = None
-    tokens = 0
+    events = 0
+    usage = None
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=3600) as reply:
         reply.raise_for_status()
         for line in reply.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            if not json.loads(line[6:])["choices"][0].get("text"):
+            chunk = json.loads(line[6:])
+            usage = chunk.get("usage") or usage
+            if not chunk.get("choices") or not chunk["choices"][0].get("text"):
                 continue
             now = time.perf_counter()
             first = first or now
             last = now
-            tokens += 1
+            events += 1
     if first is None:
         raise RuntimeError("no token came back")
+    tokens = (usage or {}).get("completion_tokens") or events
     rate = (tokens - 1) / (last - first) if tokens > 1 and last > first else None
     return first - started, rate
 

@@ -111,6 +111,63 @@ inline void axpy_kv(float* y, float a, const void* v, int n) {
   for (; i < n; ++i) y[i] += a * widen1<kT>(v, i);
 }
 
+#if defined(AGENTD_OPS_AVX512) || defined(AGENTD_OPS_AVX2)
+// dot4_kv where the four queries read one key (query heads sharing a KV head): the key widened
+// once for the four. Each query's sum takes the same operations in the same order as dot4_kv's.
+template <KvDtype kT>
+inline void dot4_shared_kv(const float* const* q, const void* k, int D, float* out) {
+  Vec a[4] = {vzero(), vzero(), vzero(), vzero()};
+  if constexpr (kT == kKvQ8) {
+    constexpr int kVecs = kQ8Group / kWidth;
+    for (int d = 0; d < D; d += kQ8Group) {
+      const uint8_t* b = q8_block(k, d);
+      const Vec scale = vset1(q8_scale(b));
+      Vec w[kVecs];
+      for (int c = 0; c < kVecs; ++c) w[c] = widen_i8(b + 2 + c * kWidth);
+      for (int j = 0; j < 4; ++j) {
+        Vec t = vzero();
+        for (int c = 0; c < kVecs; ++c) t = vfma(vload(q[j] + d + c * kWidth), w[c], t);
+        a[j] = vfma(scale, t, a[j]);
+      }
+    }
+  } else {
+    for (int d = 0; d < D; d += kWidth) {
+      const Vec w = widen_vec<kT>(k, d);
+      for (int j = 0; j < 4; ++j) a[j] = vfma(vload(q[j] + d), w, a[j]);
+    }
+  }
+  _mm_storeu_ps(out, reduce4(a[0], a[1], a[2], a[3]));
+}
+
+// axpy_kv for four queries that read one value row: y[j] += a[j] * v, v widened once; each
+// y[j] takes axpy_kv's operations in its order.
+template <KvDtype kT>
+inline void axpy4_shared_kv(float* const* y, const float* a, const void* v, int D) {
+  if constexpr (kT == kKvQ8) {
+    constexpr int kVecs = kQ8Group / kWidth;
+    for (int i = 0; i < D; i += kQ8Group) {
+      const uint8_t* b = q8_block(v, i);
+      const float scale = q8_scale(b);
+      Vec w[kVecs];
+      for (int c = 0; c < kVecs; ++c) w[c] = widen_i8(b + 2 + c * kWidth);
+      for (int j = 0; j < 4; ++j) {
+        const Vec wj = vset1(a[j] * scale);
+        for (int c = 0; c < kVecs; ++c) {
+          float* yc = y[j] + i + c * kWidth;
+          vstore(yc, vfma(wj, w[c], vload(yc)));
+        }
+      }
+    }
+  } else {
+    const Vec va[4] = {vset1(a[0]), vset1(a[1]), vset1(a[2]), vset1(a[3])};
+    for (int i = 0; i < D; i += kWidth) {
+      const Vec w = widen_vec<kT>(v, i);
+      for (int j = 0; j < 4; ++j) vstore(y[j] + i, vfma(va[j], w, vload(y[j] + i)));
+    }
+  }
+}
+#endif
+
 inline float dot(const float* a, const float* b, int n) { return dot_kv<kKvF32>(a, b, n); }
 
 // acc[0..D) += sum over t < T of p[t] * rows[t * D ..]: the sums held in registers over the T
@@ -220,6 +277,8 @@ void attend_span_as(const KvLayout& kv, const DecodeBatch& batch, const int32_t*
   float* scores = q + Q * D;  // [Q, n]
   scaled_queries(batch, rows, num_rows, D, q);
   const SlotRows<kT> slot_row{kv, table};
+  // four queries at a time read one KV head (its key and value widened once for them)
+  [[maybe_unused]] const bool shared4 = G % 4 == 0 && D % kQ8Group == 0;
   constexpr int kAhead = 2;  // slots prefetched ahead
   auto prefetch = [&](int pos, int which) {
     if (pos >= p1) return;
@@ -238,7 +297,15 @@ void attend_span_as(const KvLayout& kv, const DecodeBatch& batch, const int32_t*
         ks[j] = k + ((i0 + j) % H) / G * head_bytes;
       }
       float four[4];
+#if defined(AGENTD_OPS_AVX512) || defined(AGENTD_OPS_AVX2)
+      if (shared4) {
+        dot4_shared_kv<kT>(qs, ks[0], D, four);
+      } else {
+        dot4_kv<kT>(qs, ks, D, four);
+      }
+#else
       dot4_kv<kT>(qs, ks, D, four);
+#endif
       for (int j = 0; j < 4; ++j) scores[(i0 + j) * ns + pos - p0] = four[j];
     }
     for (; i0 < Q; ++i0) {
@@ -250,7 +317,19 @@ void attend_span_as(const KvLayout& kv, const DecodeBatch& batch, const int32_t*
   for (int pos = p0; pos < p1; ++pos) {
     prefetch(pos + kAhead, 1);
     const char* v = slot_row(pos, 1);
-    for (int i = 0; i < Q; ++i) {
+    int i = 0;
+#if defined(AGENTD_OPS_AVX512) || defined(AGENTD_OPS_AVX2)
+    for (; shared4 && i + 4 <= Q; i += 4) {
+      float* ys[4];
+      float ws[4];
+      for (int j = 0; j < 4; ++j) {
+        ys[j] = partial + static_cast<int64_t>(i + j) * (D + 2) + 2;
+        ws[j] = scores[(i + j) * ns + pos - p0];
+      }
+      axpy4_shared_kv<kT>(ys, ws, v + (i % H) / G * head_bytes, D);
+    }
+#endif
+    for (; i < Q; ++i) {
       axpy_kv<kT>(partial + static_cast<int64_t>(i) * (D + 2) + 2,
                   scores[i * ns + pos - p0], v + (i % H) / G * head_bytes,
                   D);

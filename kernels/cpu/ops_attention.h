@@ -112,10 +112,10 @@ inline void axpy_kv(float* y, float a, const void* v, int n) {
 }
 
 #if defined(AGENTD_OPS_AVX512) || defined(AGENTD_OPS_AVX2)
-// dot4_kv where the four queries read one key (query heads sharing a KV head): the key widened
-// once for the four. Each query's sum takes the same operations in the same order as dot4_kv's.
-template <KvDtype kT>
-inline void dot4_shared_kv(const float* const* q, const void* k, int D, float* out) {
+// dot4_kv for N <= 4 queries that read one key (query heads sharing a KV head): the key widened
+// once for them. Each query's sum takes the same operations in the same order as dot4_kv's.
+template <KvDtype kT, int N>
+inline void dotn_shared_kv(const float* const* q, const void* k, int D, float* out) {
   Vec a[4] = {vzero(), vzero(), vzero(), vzero()};
   if constexpr (kT == kKvQ8) {
     constexpr int kVecs = kQ8Group / kWidth;
@@ -124,7 +124,7 @@ inline void dot4_shared_kv(const float* const* q, const void* k, int D, float* o
       const Vec scale = vset1(q8_scale(b));
       Vec w[kVecs];
       for (int c = 0; c < kVecs; ++c) w[c] = widen_i8(b + 2 + c * kWidth);
-      for (int j = 0; j < 4; ++j) {
+      for (int j = 0; j < N; ++j) {
         Vec t = vzero();
         for (int c = 0; c < kVecs; ++c) t = vfma(vload(q[j] + d + c * kWidth), w[c], t);
         a[j] = vfma(scale, t, a[j]);
@@ -133,16 +133,18 @@ inline void dot4_shared_kv(const float* const* q, const void* k, int D, float* o
   } else {
     for (int d = 0; d < D; d += kWidth) {
       const Vec w = widen_vec<kT>(k, d);
-      for (int j = 0; j < 4; ++j) a[j] = vfma(vload(q[j] + d), w, a[j]);
+      for (int j = 0; j < N; ++j) a[j] = vfma(vload(q[j] + d), w, a[j]);
     }
   }
-  _mm_storeu_ps(out, reduce4(a[0], a[1], a[2], a[3]));
+  float four[4];
+  _mm_storeu_ps(four, reduce4(a[0], a[1], a[2], a[3]));
+  for (int j = 0; j < N; ++j) out[j] = four[j];
 }
 
-// axpy_kv for four queries that read one value row: y[j] += a[j] * v, v widened once; each
+// axpy_kv for N <= 4 queries that read one value row: y[j] += a[j] * v, v widened once; each
 // y[j] takes axpy_kv's operations in its order.
-template <KvDtype kT>
-inline void axpy4_shared_kv(float* const* y, const float* a, const void* v, int D) {
+template <KvDtype kT, int N>
+inline void axpyn_shared_kv(float* const* y, const float* a, const void* v, int D) {
   if constexpr (kT == kKvQ8) {
     constexpr int kVecs = kQ8Group / kWidth;
     for (int i = 0; i < D; i += kQ8Group) {
@@ -150,7 +152,7 @@ inline void axpy4_shared_kv(float* const* y, const float* a, const void* v, int 
       const float scale = q8_scale(b);
       Vec w[kVecs];
       for (int c = 0; c < kVecs; ++c) w[c] = widen_i8(b + 2 + c * kWidth);
-      for (int j = 0; j < 4; ++j) {
+      for (int j = 0; j < N; ++j) {
         const Vec wj = vset1(a[j] * scale);
         for (int c = 0; c < kVecs; ++c) {
           float* yc = y[j] + i + c * kWidth;
@@ -159,11 +161,34 @@ inline void axpy4_shared_kv(float* const* y, const float* a, const void* v, int 
       }
     }
   } else {
-    const Vec va[4] = {vset1(a[0]), vset1(a[1]), vset1(a[2]), vset1(a[3])};
+    Vec va[N];
+    for (int j = 0; j < N; ++j) va[j] = vset1(a[j]);
     for (int i = 0; i < D; i += kWidth) {
       const Vec w = widen_vec<kT>(v, i);
-      for (int j = 0; j < 4; ++j) vstore(y[j] + i, vfma(va[j], w, vload(y[j] + i)));
+      for (int j = 0; j < N; ++j) vstore(y[j] + i, vfma(va[j], w, vload(y[j] + i)));
     }
+  }
+}
+
+// The query heads [i0, i0 + n) of one KV head (n <= 4): their scores against key k, or their
+// sums plus weights times value v.
+template <KvDtype kT>
+inline void dot_shared(const float* const* q, int n, const void* k, int D, float* out) {
+  switch (n) {
+    case 4: dotn_shared_kv<kT, 4>(q, k, D, out); break;
+    case 3: dotn_shared_kv<kT, 3>(q, k, D, out); break;
+    case 2: dotn_shared_kv<kT, 2>(q, k, D, out); break;
+    default: dotn_shared_kv<kT, 1>(q, k, D, out);
+  }
+}
+
+template <KvDtype kT>
+inline void axpy_shared(float* const* y, const float* a, int n, const void* v, int D) {
+  switch (n) {
+    case 4: axpyn_shared_kv<kT, 4>(y, a, v, D); break;
+    case 3: axpyn_shared_kv<kT, 3>(y, a, v, D); break;
+    case 2: axpyn_shared_kv<kT, 2>(y, a, v, D); break;
+    default: axpyn_shared_kv<kT, 1>(y, a, v, D);
   }
 }
 #endif
@@ -277,8 +302,8 @@ void attend_span_as(const KvLayout& kv, const DecodeBatch& batch, const int32_t*
   float* scores = q + Q * D;  // [Q, n]
   scaled_queries(batch, rows, num_rows, D, q);
   const SlotRows<kT> slot_row{kv, table};
-  // four queries at a time read one KV head (its key and value widened once for them)
-  [[maybe_unused]] const bool shared4 = G % 4 == 0 && D % kQ8Group == 0;
+  // query heads that share a KV head (G > 1) take its key and value widened once, up to four
+  [[maybe_unused]] const bool shared = G > 1 && D % kQ8Group == 0 && kWidth > 0;
   constexpr int kAhead = 2;  // slots prefetched ahead
   auto prefetch = [&](int pos, int which) {
     if (pos >= p1) return;
@@ -288,6 +313,22 @@ void attend_span_as(const KvLayout& kv, const DecodeBatch& batch, const int32_t*
   for (int pos = p0; pos < p1; ++pos) {
     prefetch(pos + kAhead, 0);
     const char* k = slot_row(pos, 0);
+#if defined(AGENTD_OPS_AVX512) || defined(AGENTD_OPS_AVX2)
+    if (shared) {
+      for (int i0 = 0; i0 < Q; i0 += G) {  // the G query heads of one KV head of one row
+        const char* kh = k + (i0 % H) / G * head_bytes;
+        for (int g = 0; g < G; g += 4) {
+          const int m = std::min(4, G - g);
+          const float* qs[4];
+          float out[4];
+          for (int j = 0; j < m; ++j) qs[j] = q + (i0 + g + j) * D;
+          dot_shared<kT>(qs, m, kh, D, out);
+          for (int j = 0; j < m; ++j) scores[(i0 + g + j) * ns + pos - p0] = out[j];
+        }
+      }
+      continue;
+    }
+#endif
     int i0 = 0;
     for (; i0 + 4 <= Q; i0 += 4) {  // four queries at a time
       const float* qs[4];
@@ -297,15 +338,7 @@ void attend_span_as(const KvLayout& kv, const DecodeBatch& batch, const int32_t*
         ks[j] = k + ((i0 + j) % H) / G * head_bytes;
       }
       float four[4];
-#if defined(AGENTD_OPS_AVX512) || defined(AGENTD_OPS_AVX2)
-      if (shared4) {
-        dot4_shared_kv<kT>(qs, ks[0], D, four);
-      } else {
-        dot4_kv<kT>(qs, ks, D, four);
-      }
-#else
       dot4_kv<kT>(qs, ks, D, four);
-#endif
       for (int j = 0; j < 4; ++j) scores[(i0 + j) * ns + pos - p0] = four[j];
     }
     for (; i0 < Q; ++i0) {
@@ -319,14 +352,18 @@ void attend_span_as(const KvLayout& kv, const DecodeBatch& batch, const int32_t*
     const char* v = slot_row(pos, 1);
     int i = 0;
 #if defined(AGENTD_OPS_AVX512) || defined(AGENTD_OPS_AVX2)
-    for (; shared4 && i + 4 <= Q; i += 4) {
-      float* ys[4];
-      float ws[4];
-      for (int j = 0; j < 4; ++j) {
-        ys[j] = partial + static_cast<int64_t>(i + j) * (D + 2) + 2;
-        ws[j] = scores[(i + j) * ns + pos - p0];
+    for (; shared && i < Q; i += G) {  // the G query heads of one KV head of one row
+      const char* vh = v + (i % H) / G * head_bytes;
+      for (int g = 0; g < G; g += 4) {
+        const int m = std::min(4, G - g);
+        float* ys[4];
+        float ws[4];
+        for (int j = 0; j < m; ++j) {
+          ys[j] = partial + static_cast<int64_t>(i + g + j) * (D + 2) + 2;
+          ws[j] = scores[(i + g + j) * ns + pos - p0];
+        }
+        axpy_shared<kT>(ys, ws, m, vh, D);
       }
-      axpy4_shared_kv<kT>(ys, ws, v + (i % H) / G * head_bytes, D);
     }
 #endif
     for (; i < Q; ++i) {

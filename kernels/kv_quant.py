@@ -46,10 +46,6 @@ def head_dim_of(kv_cache: torch.Tensor) -> int:
     return width // Q8_BYTES * Q8_GROUP if is_q8(kv_cache) else width
 
 
-def bytes_per_value(dtype: torch.dtype) -> float:
-    return Q8_BYTES / Q8_GROUP if is_q8(dtype) else torch.empty((), dtype=dtype).element_size()
-
-
 def quantize_q8_0(x: torch.Tensor) -> torch.Tensor:
     """``x [..., D]`` (float) as q8_0 bytes ``[..., D / 32 * 34]`` (int8)."""
     *lead, width = x.shape

@@ -3,7 +3,10 @@
 The CPU attention paths read a fp16/bf16 pool with fp32 math: they equal the fp32 reference
 over the same (rounded) keys and values; the KV write rounds to the pool's dtype; a tiny model's
 greedy tokens with a fp16 pool are the fp32 pool's; a pin's KV snapshot keeps the pool's dtype
-through the file and is refused by a pool of another dtype.
+through the file and is refused by a pool of another dtype. A q8_0 pool (``--kv-cache-dtype
+q8_0``, on a tiny qwen3: heads of 32) holds 32/17 the tokens, keys its own content, decodes the
+same tokens cold and from the prefix cache and near the fp32 pool's, keeps its bytes through a
+snapshot, and is refused where it cannot run (the disk tier's round trip: test_kv_tier.py).
 """
 
 from __future__ import annotations
@@ -176,3 +179,73 @@ def test_a_pin_snapshot_keeps_the_pool_dtype_and_another_dtype_refuses_it(
         with pytest.raises(SnapshotMismatch, match="another --kv-cache-dtype"):
             wrong.restore_pin(PinRequest("q", token_ids), forged)
         assert "q" not in wrong.pins.registry
+
+
+# q8_0
+
+@pytest.fixture(scope="module")
+def q8_engines(tiny_model_factory) -> dict[str, LLMEngine]:
+    path = str(tiny_model_factory("qwen3"))
+    out: dict[str, LLMEngine] = {}
+    for name in ("float32", "float16", "q8_0"):
+        config = EngineConfig(model=path, device="cpu", kv_cache_memory_bytes=POOL_BYTES,
+                              kv_cache_dtype=name)
+        out[name] = LLMEngine(config, loaded=out["float32"].loaded if out else None)
+    return out
+
+
+def test_a_q8_pool_holds_more_tokens_and_keys_its_own_content(q8_engines) -> None:
+    q8, half = q8_engines["q8_0"], q8_engines["float16"]
+    layer = q8.runner.kv_caches[0]
+    assert layer.dtype == torch.int8 and layer.shape[-1] == 34  # one block of 32 a head
+    assert q8.num_blocks == int(half.num_blocks * 32 / 17)  # the same bytes
+    assert q8.fingerprint not in (half.fingerprint, q8_engines["float32"].fingerprint)
+    assert q8.stats().kv_cache.dtype == "q8_0"
+
+
+def test_q8_greedy_tokens_cold_and_from_the_prefix_cache_agree(q8_engines) -> None:
+    q8, exact = q8_engines["q8_0"], q8_engines["float32"]
+    prompts = [list(range(100, 180)), list(range(400, 437)) * 2, [5, 6, 7, 8, 9]]
+    cold = greedy(q8, prompts, 16)
+    hits_before = q8.stats().scheduler.prefix_cache_hits
+    assert greedy(q8, prompts, 16) == cold  # the same prompts again: their blocks cached
+    assert q8.stats().scheduler.prefix_cache_hits > hits_before
+    reference = greedy(exact, prompts, 16)
+    same = sum(a == b for c, r in zip(cold, reference, strict=True)
+               for a, b in zip(c, r, strict=True))
+    assert same >= 0.75 * 16 * len(prompts), (cold, reference)
+
+
+def test_a_q8_pin_snapshot_keeps_its_bytes_and_another_dtype_refuses_it(q8_engines,
+                                                                        tmp_path) -> None:
+    engine = q8_engines["q8_0"]
+    token_ids = list(range(600, 648))  # 3 full blocks
+    _pin(engine, "p", token_ids)
+    payload = engine.gather_pin_snapshot("p")
+    write_snapshot(payload, tmp_path / "p.pt", tmp_path)
+    loaded = read_snapshot(tmp_path / "p.pt")
+    assert loaded["kv"].dtype == torch.int8 and torch.equal(loaded["kv"], payload["kv"])
+    again = LLMEngine(engine.config, loaded=engine.loaded)
+    result = again.restore_pin(PinRequest("p", token_ids), loaded)
+    assert result.error is None and result.pin is not None
+    old_ids = engine.pins.registry.get("p").block_ids
+    new_ids = again.pins.registry.get("p").block_ids
+    for old, new in zip(engine.runner.kv_caches, again.runner.kv_caches, strict=True):
+        assert torch.equal(old[old_ids], new[new_ids])
+    wrong = q8_engines["float16"]
+    with pytest.raises(SnapshotMismatch, match="another model, dtype or tokenizer"):
+        wrong.restore_pin(PinRequest("q", token_ids), loaded)
+    with pytest.raises(SnapshotMismatch, match="another --kv-cache-dtype"):
+        wrong.restore_pin(PinRequest("q", token_ids), {**loaded, "fingerprint": wrong.fingerprint})
+
+
+def test_q8_is_refused_where_it_cannot_run(tiny_model_factory) -> None:
+    with pytest.raises(ValueError, match="CPU only"):
+        resolve_kv_dtype("q8_0", torch.float32, "gguf", torch.device("cuda"))
+    assert resolve_kv_dtype("q8_0", torch.float32, "gguf", torch.device("cpu")) == torch.int8
+    llama = str(tiny_model_factory("llama"))  # heads of 16
+    with pytest.raises(ValueError, match="head size divisible by 32"):
+        LLMEngine(EngineConfig(model=llama, device="cpu", kv_cache_dtype="q8_0",
+                               kv_cache_memory_bytes=POOL_BYTES))
+    with pytest.raises(ValueError, match="bfloat16 or q8_0, not 'int4'"):
+        EngineConfig(kv_cache_dtype="int4")

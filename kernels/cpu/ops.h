@@ -25,10 +25,15 @@ enum KvDtype : int { kKvF32 = 0, kKvF16 = 1, kKvBF16 = 2, kKvQ8 = 3 };
 
 constexpr int kQ8Group = 32, kQ8Bytes = 34;
 
+// The bytes of one element of the pool's storage (q8_0's: a byte).
+constexpr int64_t kv_elem_bytes(KvDtype dtype) {
+  return dtype == kKvF32 ? 4 : dtype == kKvQ8 ? 1 : 2;
+}
+
 // The bytes of one head row of head_dim values in the pool.
 constexpr int64_t kv_head_bytes(KvDtype dtype, int head_dim) {
   return dtype == kKvQ8 ? int64_t{head_dim} / kQ8Group * kQ8Bytes
-                        : int64_t{head_dim} * (dtype == kKvF32 ? 4 : 2);
+                        : int64_t{head_dim} * kv_elem_bytes(dtype);
 }
 
 // One layer's pool, logically [num_blocks, 2, block_size, num_kv_heads, head_dim] (strides in

@@ -242,7 +242,7 @@ inline void scaled_queries(const DecodeBatch& batch, const int32_t* rows, int nu
 // sequence whose block table is `table`.
 template <KvDtype kT>
 struct SlotRows {
-  static constexpr int64_t kElem = kT == kKvF32 ? 4 : kT == kKvQ8 ? 1 : 2;
+  static constexpr int64_t kElem = kv_elem_bytes(kT);
   static constexpr int64_t head_bytes(int D) { return kv_head_bytes(kT, D); }
   const KvLayout& kv;
   const int32_t* table;

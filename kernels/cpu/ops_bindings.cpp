@@ -394,9 +394,7 @@ void rope_write_kv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
     TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "slot ", slots[t], " is outside the pool");
   }
   const OpsKernels& ops = agentd_cpu::ops_kernels(static_cast<int>(isa));
-  const int64_t elem = kv.dtype == agentd_cpu::kKvF32  ? 4
-                       : kv.dtype == agentd_cpu::kKvQ8 ? 1
-                                                       : 2;  // bytes a storage element
+  const int64_t elem = agentd_cpu::kv_elem_bytes(kv.dtype);
   auto* pool = static_cast<uint8_t*>(kv.data);
   py::gil_scoped_release no_gil;
   over_rows(T, (q.size(1) + 2 * k.size(1)) * D, [&](int64_t t0, int64_t t1) {

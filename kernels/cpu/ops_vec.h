@@ -52,26 +52,24 @@ inline float widen1(const void* p, int i) {
 #if defined(AGENTD_OPS_AVX512)
 constexpr int kWidth = 16;
 using Vec = __m512;
+// kWidth int8 as floats.
+inline Vec widen_i8(const uint8_t* p) {
+  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
+}
 template <KvDtype kT>
 inline Vec widen_vec(const void* p, int i) {
   if constexpr (kT == kKvF32) {
     return _mm512_loadu_ps(static_cast<const float*>(p) + i);
   } else if constexpr (kT == kKvQ8) {  // i % 16 == 0: one block holds all 16
     const uint8_t* b = q8_block(p, i);
-    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + i % kQ8Group));
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)),
-                         _mm512_set1_ps(q8_scale(b)));
+    return _mm512_mul_ps(widen_i8(b + 2 + i % kQ8Group), _mm512_set1_ps(q8_scale(b)));
   } else {
     const __m256i h = _mm256_loadu_si256(
         reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + i));
     if constexpr (kT == kKvF16) return _mm512_cvtph_ps(h);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
   }
-}
-// kWidth int8 as floats.
-inline Vec widen_i8(const uint8_t* p) {
-  const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q));
 }
 inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
@@ -105,25 +103,23 @@ inline __m128 vsum_lanes(Vec v) {  // the 128-bit lanes summed: (0 + 2) + (1 + 3
 #elif defined(AGENTD_OPS_AVX2)
 constexpr int kWidth = 8;
 using Vec = __m256;
+inline Vec widen_i8(const uint8_t* p) {
+  const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+}
 template <KvDtype kT>
 inline Vec widen_vec(const void* p, int i) {
   if constexpr (kT == kKvF32) {
     return _mm256_loadu_ps(static_cast<const float*>(p) + i);
   } else if constexpr (kT == kKvQ8) {  // i % 8 == 0: one block holds all 8
     const uint8_t* b = q8_block(p, i);
-    const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + i % kQ8Group));
-    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)),
-                         _mm256_set1_ps(q8_scale(b)));
+    return _mm256_mul_ps(widen_i8(b + 2 + i % kQ8Group), _mm256_set1_ps(q8_scale(b)));
   } else {
     const __m128i h = _mm_loadu_si128(
         reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + i));
     if constexpr (kT == kKvF16) return _mm256_cvtph_ps(h);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
-}
-inline Vec widen_i8(const uint8_t* p) {
-  const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
 }
 inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }

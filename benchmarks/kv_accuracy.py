@@ -7,7 +7,12 @@ logits kept), and the distributions are compared position by position: KL diverg
 and of q8_0 against float16. The prompt is agent text (the workloads' system prompts and tool
 schemas, then the repository's docs), cut to each ``--tokens`` length.
 
+Every pool's prefill attention takes its products in fp32 here (``AGENTD_PREFILL_BF16=0``);
+``--bf16`` adds the float16 and q8_0 pools again with them in bfloat16 (the default on CPUs with
+AVX512-BF16), each against float32 and against its own pool's fp32 products.
+
     .venv/bin/python benchmarks/kv_accuracy.py [--model GGUF] [--tokens 2048,8192] [--eval 256]
+        [--bf16]
 
 Without ``--model``: the default model (SmolLM2-135M-Instruct, as served: its GGUF's weights).
 A random-weight GGUF (agentd.model.synth) gives the arithmetic, not a language model's
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
 from pathlib import Path
 
@@ -26,6 +32,7 @@ import torch
 from agentd.bench.machine import cpu_line
 from agentd.engine.llm_engine import LLMEngine
 from agentd.engine.scheduler import ScheduledRequest
+from agentd.kernels.cpu.fused import BF16_ENV
 from agentd.llm import engine_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,6 +81,8 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a GGUF or model dir [default model]")
     parser.add_argument("--tokens", default="2048,8192", help="prompt lengths, comma-separated")
     parser.add_argument("--eval", type=int, default=256, help="positions compared per length")
+    parser.add_argument("--bf16", action="store_true",
+                        help="also the float16 and q8_0 pools with bfloat16 prefill products")
     args = parser.parse_args()
     lengths = [int(x) for x in args.tokens.split(",")]
     longest = max(lengths)
@@ -92,16 +101,22 @@ def main() -> None:
     print(f"model {engines['float32'].model_name}; {len(text_ids):,} tokens of agent text; "
           f"pools: " + ", ".join(f"{n} {e.kv_plan.num_tokens:,} tokens" for n, e in
                                  engines.items()))
+    runs = [(name, name, "0") for name in POOLS]  # (label, pool, AGENTD_PREFILL_BF16)
+    pairs = [("float32", "float16"), ("float32", "q8_0"), ("float16", "q8_0")]
+    if args.bf16:
+        runs += [(f"{name}+bf16", name, "1") for name in POOLS[1:]]
+        pairs += [(ref, f"{name}+bf16") for name in POOLS[1:] for ref in ("float32", name)]
     print("| tokens | compared | KL mean | KL p99 | KL max | top-1 agreement |")
     print("|---|---|---|---|---|---|")
     for length in lengths:
         tokens = text_ids[:length]
         logits = {}
-        for name, engine in engines.items():
+        for label, pool, bf16 in runs:
+            os.environ[BF16_ENV] = bf16
             started = time.perf_counter()
-            logits[name] = teacher_forced_logits(engine, tokens, args.eval)
-            print(f"<!-- {name} pool, {length:,} tokens: {time.perf_counter() - started:.1f} s -->")
-        for ref, other in (("float32", "float16"), ("float32", "q8_0"), ("float16", "q8_0")):
+            logits[label] = teacher_forced_logits(engines[pool], tokens, args.eval)
+            print(f"<!-- {label}, {length:,} tokens: {time.perf_counter() - started:.1f} s -->")
+        for ref, other in pairs:
             c = compare(logits[ref], logits[other])
             print(f"| {length:,} | {other} vs {ref} | {c['kl_mean']:.2e} | {c['kl_p99']:.2e} | "
                   f"{c['kl_max']:.2e} | {c['top1']:.2%} |", flush=True)

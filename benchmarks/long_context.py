@@ -171,7 +171,7 @@ def serve(args: argparse.Namespace, name: str, kv: str, context: int, lengths: l
           prompts: dict[int, list[int]], turns: dict[int, list[int]]) -> list[tuple]:
     """One server at one KV dtype over every prompt length: its rows of the table."""
     started = time.perf_counter()
-    env = {"AGENTD_PREFILL_BF16": "1"} if args.bf16 else None
+    env = {"AGENTD_PREFILL_BF16": "0"} if args.fp32_products else None
     dtype = {"f16": "float16"}.get(kv, kv)
     server = (Agentd(args.gguf, context, args.threads,
                      ["--kv-cache-dtype", dtype, *shlex.split(args.agentd_args)], env=env)
@@ -205,8 +205,9 @@ def main() -> None:
     parser.add_argument("--servers", default="agentd,llama")
     parser.add_argument("--kv", default="f16", help="KV cache dtypes, comma-separated: f16, "
                         "q8_0 (agentd --kv-cache-dtype float16/q8_0, llama-server -ctk/-ctv)")
-    parser.add_argument("--bf16", action="store_true", help="agentd's prefill attention with "
-                        "bfloat16 products (AGENTD_PREFILL_BF16=1; AVX512-BF16 CPUs)")
+    parser.add_argument("--fp32-products", action="store_true", help="agentd's prefill "
+                        "attention with fp32 products (AGENTD_PREFILL_BF16=0; bfloat16 is the "
+                        "default on AVX512-BF16 CPUs)")
     parser.add_argument("--tier", action="store_true",
                         help="then the disk tier at the longest length (agentd only)")
     parser.add_argument("--tier-pool", default="4GiB", help="the pool for --tier: room for "

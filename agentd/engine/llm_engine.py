@@ -58,6 +58,7 @@ from agentd.engine.scheduler import ScheduledRequest, Scheduler, SchedulerStats
 from agentd.engine.spec_decode import SpecStats, make_speculator
 from agentd.kernels import get_attention_backend, kv_quant
 from agentd.model.build import LoadedModel
+from agentd.model.dispatch import KernelChoice
 from agentd.pins.manager import PinManager, PinResult
 from agentd.pins.pin_request import PinRequest
 from agentd.pins.snapshots import gather_snapshot, snapshot_shape
@@ -169,6 +170,13 @@ class LLMEngine:
         backend = get_attention_backend(config.attention_backend, loaded.device)
         if kv_quant.is_q8(kv_dtype) and backend.name == "triton":
             raise ValueError("--kv-cache-dtype q8_0 needs the cpu or torch attention backend")
+        if backend.name == "cpu" and loaded.dtype == torch.float32:
+            from agentd.kernels.cpu.fused import prefill_products
+
+            products = prefill_products(kv_dtype, loaded.model.dims.head_dim)
+            loaded.kernels["attention"] = KernelChoice(
+                f"agentd's C++ decode and prefill attention, prefill products in {products}",
+                None, "")
         # routers' KV events: every hash the pool stores or evicts (a null sink unless asked)
         self.kv_events = open_kv_events(config.kv_events, self.model_name, config.block_size,
                                         loaded.device.type)

@@ -21,7 +21,7 @@ from agentd.kernels import cpu as _cpu
 from agentd.kernels.decode_attention import torch_decode_attention
 from agentd.kernels.kv_write import reference_write_kv
 
-BF16_ENV = "AGENTD_PREFILL_BF16"  # "1": prefill attention's products in bfloat16
+BF16_ENV = "AGENTD_PREFILL_BF16"  # "0": prefill attention's products in fp32 in every pool
 
 
 def _native_isa() -> int | None:
@@ -47,11 +47,12 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables:
     """:func:`agentd.kernels.prefill_attention.reference_prefill_attention`'s contract in C++
     (``ops_prefill.h``): each chunk's rows against their context read in the pool's dtype in
     place, tile by tile; softmax and sums in fp32. ``bf16``: the products in bfloat16 where the
-    CPU has AVX512-BF16 (~1.5x faster; outputs off by up to ~1% of their scale, where fp32
-    products are off by ~1e-6). Default: off, unless ``AGENTD_PREFILL_BF16=1`` and the pool is
-    float16/bfloat16 (never the exact mode's float32 pool): a prompt's rows would otherwise
-    differ from a decode row's (fp32) by more than rounding, so a cache hit and a miss could
-    pick different tokens at a near-tie."""
+    CPU has AVX512-BF16 (2-2.4x faster; outputs off by up to ~1% of their scale, where fp32
+    products are off by ~1e-6; elsewhere the fp32 kernel runs). Default: on for a float16,
+    bfloat16 or q8_0 pool, the low-precision modes, whose outputs already differ from the exact
+    mode's (a GGUF's prompt products run as bfloat16 GEMMs on such a CPU); never for the exact
+    mode's float32 pool, whose prompt rows match decode rows to rounding.
+    ``AGENTD_PREFILL_BF16=0`` keeps every pool's in fp32."""
     isa = _native_isa()
     if isa is None or query.dtype != torch.float32:
         from agentd.kernels.prefill_attention import torch_prefill_attention
@@ -59,9 +60,21 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables:
         return torch_prefill_attention(query, kv_cache, block_tables, query_start_loc,
                                        seq_lens, scale)
     if bf16 is None:
-        bf16 = kv_cache.dtype != torch.float32 and os.environ.get(BF16_ENV) == "1"
+        bf16 = kv_cache.dtype != torch.float32 and os.environ.get(BF16_ENV) != "0"
     return _cpu._native().module.prefill_attention(query, kv_cache, block_tables,
                                                    query_start_loc, seq_lens, scale, bf16, isa)
+
+
+def prefill_products(kv_dtype: torch.dtype, head_dim: int) -> str:
+    """What :func:`prefill_attention`'s default multiplies in, for a pool of ``kv_dtype`` here:
+    ``bfloat16`` or ``fp32`` (``agentd status`` and the start log say it)."""
+    isa = _native_isa()
+    if isa is None:
+        return "fp32 (torch)"
+    bf16 = (kv_dtype != torch.float32 and os.environ.get(BF16_ENV) != "0"
+            and _cpu.ISAS[isa] == "avx512_vnni" and head_dim % 16 == 0
+            and _cpu._native().module.has_bf16_attention())
+    return "bfloat16 (AVX512-BF16)" if bf16 else "fp32"
 
 
 def reference_rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

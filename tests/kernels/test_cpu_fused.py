@@ -109,9 +109,11 @@ def test_the_cpu_backend_prefills_short_chunks_as_decode_rows(kv_dtype, rows, ca
                                                               generator, monkeypatch):
     # kernels/backend.py cpu_prefill: short chunks in an fp16/bf16 pool run on the decode kernel,
     # each row over the keys up to its own; fp32 pools and longer chunks on the prefill kernel
+    # (here with fp32 products, so both paths meet the fp32 reference to rounding)
     from agentd.kernels import backend
     from agentd.kernels.prefill_attention import reference_prefill_attention
 
+    monkeypatch.setenv(fused.BF16_ENV, "0")
     calls: list[str] = []
     decode, prefill = fused.decode_attention, fused.prefill_attention
     monkeypatch.setattr(fused, "decode_attention",
@@ -183,6 +185,35 @@ def test_prefill_attention_in_bfloat16_products_stays_near_the_fp32_reference(
     assert error.max() < 0.02 and error.mean() < 2e-3, (error.max(), error.mean())
     exact = fused.prefill_attention(query, pool, tables, starts, lens, 0.125, bf16=False)
     assert (exact - expected).abs().max() < 2e-5 < error.max()  # it did take the bf16 path
+
+
+@pytest.mark.parametrize("kv_dtype", POOL_DTYPES)
+def test_prefill_products_are_bfloat16_by_default_outside_the_fp32_pool(kv_dtype, generator,
+                                                                        monkeypatch):
+    """The default (``bf16=None``): bfloat16 products in a float16/bfloat16 pool where the CPU
+    has AVX512-BF16, fp32 in the exact mode's float32 pool; ``AGENTD_PREFILL_BF16=0`` keeps them
+    fp32 in every pool. Each default equals its explicit call bit for bit."""
+    from agentd.kernels import cpu
+
+    if cpu.active_isa() != "avx512_vnni" or not cpu._native().module.has_bf16_attention():
+        pytest.skip("this CPU has no AVX512-BF16: prefill attention's products stay fp32")
+    rows, cached = [80, 12], [300, 0]
+    tables, starts, lens = _chunks_behind_prefixes(generator, rows, cached, 16)
+    pool = torch.randn(96, 2, 16, 2, 64, generator=generator).to(kv_dtype)
+    query = torch.randn(sum(rows), 8, 64, generator=generator)
+
+    def run(bf16: bool | None) -> torch.Tensor:
+        return fused.prefill_attention(query, pool, tables, starts, lens, 0.125, bf16=bf16)
+
+    exact, low = run(False), run(True)
+    monkeypatch.delenv(fused.BF16_ENV, raising=False)
+    default = run(None)
+    if kv_dtype == torch.float32:
+        assert torch.equal(default, exact)
+    else:
+        assert torch.equal(default, low) and not torch.equal(low, exact)
+    monkeypatch.setenv(fused.BF16_ENV, "0")
+    assert torch.equal(run(None), exact)
 
 
 def test_decode_attention_rejects_a_block_outside_the_pool(isa):

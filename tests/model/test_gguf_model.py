@@ -335,6 +335,11 @@ def test_a_gguf_file_is_served_as_it_ships_by_default(tiny_llm: LLM,
     # Q4_K_M's mix as the file has it: a Q6_K attn_v beside Q4_K q and k in the last layer
     assert loaded.model.layers[1].self_attn.qkv_proj.type_names == ["Q4_K", "Q4_K", "Q6_K"]
     assert loaded.kernels["lm_head"].kernel.startswith("Q6_K")
+    # its float16 pool's prefill attention multiplies in bfloat16 where the CPU can
+    bf16 = (ggml.active_isa() == "avx512_vnni" and ggml._native().module.has_bf16_attention()
+            and tiny_llm.engine.runner.kv_caches[0].dtype == torch.float16)
+    assert loaded.kernels["attention"].kernel.endswith(
+        "prefill products in " + ("bfloat16 (AVX512-BF16)" if bf16 else "fp32"))
     prompts = [tiny_llm.tokenizer(t).input_ids for t in ("Hello there", "One two three four")]
     outputs = tiny_llm.generate(prompts, GREEDY)
     assert [len(out.token_ids) for out in outputs] == [MAX_TOKENS] * 2

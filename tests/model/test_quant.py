@@ -161,7 +161,10 @@ def test_each_weight_format_serves_a_tiny_model(weights: str, tiny_model_factory
     report = loaded.compute_report()
     assert report["weights"] == weights and report["isa"] == detect_isa().name
     assert set(report["kernels"]) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj",
-                                      "lm_head"}
+                                      "lm_head", "attention"}
+    # the exact mode's float32 pool keeps prefill attention's products in fp32
+    exact_kernels = exact.engine.loaded.compute_report()["kernels"]
+    assert exact_kernels["attention"].endswith("prefill products in fp32 (all rows)")
     layers = [m for m in loaded.model.modules() if isinstance(m, LowPrecisionLinear)]
     assert len(layers) == 2 * 4 + 1 and all(m.dense_twin is not None for m in layers)
     if weights == "int4":  # a head not held in 4 bits by the checkpoint is kept in fp16

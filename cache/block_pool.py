@@ -43,6 +43,9 @@ class BlockPool:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         self.enable_caching = enable_caching
         self.events = events
+        # told (block id, hash) of each cached block just before its KV is given to another
+        # use (the disk tier writes a block there whose earlier write it had to drop)
+        self.on_evicted: Callable[[int, BlockHash], None] | None = None
         self._num_blocks = num_blocks
         self._blocks: dict[int, KVBlock] = {}  # the blocks used so far, by id
         self._free_queue = FreeBlockQueue(fresh=range(num_blocks))
@@ -174,6 +177,8 @@ class BlockPool:
     def _evict(self, block: KVBlock) -> KVBlock:
         """Drop a block's hash as it leaves the free queue."""
         if block.block_hash is not None:
+            if self.on_evicted is not None:
+                self.on_evicted(block.block_id, block.block_hash)
             self._num_cached_free -= 1
             del self._cached_block_ids[block.block_hash]
             self.events.removed(block.block_hash)

@@ -5,7 +5,9 @@ Invariants:
 - The engine thread never waits on the disk. When the pool registers a full block, ``stage``
   copies its KV into a staging buffer (a few hundred KiB a block) and queues it for the writer
   thread; a queue past ``max_queue_bytes`` drops the write (counted) rather than wait. A block
-  the store or the queue holds already is not staged again.
+  the store or the queue holds already is not staged again. A dropped block is staged again when
+  the pool evicts it (``restage``, the last moment its KV exists), if the queue has room then; the
+  tier remembers the last ``MAX_DROPPED`` dropped hashes for that.
 - ``load`` hands a job to the loader thread: it reads stored blocks straight into pool blocks
   that one loading request holds and nothing else references (not hashed, not shared), in chain
   order, and stops at the first that fails its checks. The scheduler registers only the blocks
@@ -29,6 +31,7 @@ import queue
 import shutil
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -42,6 +45,7 @@ from agentd.engine.kv_publisher import KVEventPublisher
 
 logger = logging.getLogger("agentd")
 DEFAULT_QUEUE_BYTES = 256 * 2**20
+MAX_DROPPED = 1 << 16  # dropped writes remembered for a retry at eviction (hashes only)
 MAX_DEFAULT_BUDGET_BYTES = 100 * 2**30
 MEDIUM = "DISK"  # the tier's KV events' medium
 _STOP = object()
@@ -61,6 +65,7 @@ class DiskTierStats:
     num_blocks_read: int
     num_blocks_rejected: int  # read back and failed their checks: recomputed
     num_writes_dropped: int  # the queue was full
+    num_writes_retried: int  # of those, staged again when the pool evicted the block
     write_queue_blocks: int
     num_loads: int
     load_s: float  # total time the loader spent reading
@@ -77,6 +82,9 @@ class NullDiskTier:
 
     def stage(self, block_ids: Sequence[int], block_hashes: Sequence[BlockHash],
               keep: bool = False) -> None:
+        pass
+
+    def restage(self, block_id: int, block_hash: BlockHash) -> None:
         pass
 
     def load(self, job: LoadJob) -> None:
@@ -125,6 +133,8 @@ class DiskTier:
         self.max_queue_bytes = max_queue_bytes
         self._lock = threading.Lock()
         self._queued: dict[BlockHash, bool] = {}  # staged, not yet written: kept or not
+        self._dropped: OrderedDict[BlockHash, bool] = OrderedDict()  # kept or not; oldest first
+        self.num_writes_retried = 0
         self._writes: queue.Queue = queue.Queue()
         self._loads: queue.Queue = queue.Queue()
         self._landed: list[LoadJob] = []
@@ -157,14 +167,34 @@ class DiskTier:
                 return
             if (len(self._queued) + len(new)) * self.store.block_bytes > self.max_queue_bytes:
                 self.num_writes_dropped += len(new)
+                for _, h in new:  # for restage, when the pool evicts the block
+                    self._dropped[h] = keep or self._dropped.pop(h, False)
+                while len(self._dropped) > MAX_DROPPED:
+                    self._dropped.popitem(last=False)
                 return
             self._queued.update((h, keep) for _, h in new)
+            for _, h in new:
+                self._dropped.pop(h, None)
         ids = np.fromiter((b for b, _ in new), dtype=np.int64, count=len(new))
         staged = np.empty((len(new), 2 * len(self._layers), self._piece_bytes), np.uint8)
         for index, layer in enumerate(self._layers):
             np.take(layer[0], ids, axis=0, out=staged[:, 2 * index], mode="clip")
             np.take(layer[1], ids, axis=0, out=staged[:, 2 * index + 1], mode="clip")
         self._writes.put(([h for _, h in new], staged, keep))
+
+    def restage(self, block_id: int, block_hash: BlockHash) -> None:
+        """The pool is about to give ``block_id`` (holding ``block_hash``) to another use: stage it
+        now if its write was dropped (a full queue then), since its KV is gone after this."""
+        if block_hash not in self._dropped:  # the common case, one lookup
+            return
+        with self._lock:
+            keep = self._dropped.pop(block_hash, None)
+        if keep is None:
+            return
+        dropped = self.num_writes_dropped
+        self.stage([block_id], [block_hash], keep)
+        if self.num_writes_dropped == dropped:
+            self.num_writes_retried += 1
 
     def load(self, job: LoadJob) -> None:
         """Read ``job``'s blocks into its pool blocks on the loader thread."""
@@ -229,7 +259,8 @@ class DiskTier:
         return DiskTierStats(
             str(self.store.directory), store.num_blocks, store.num_bytes, store.budget_bytes,
             store.kept_bytes, store.oldest_use_s, store.num_written, store.num_read,
-            store.num_rejected, self.num_writes_dropped, len(self._queued), self.num_loads,
+            store.num_rejected, self.num_writes_dropped, self.num_writes_retried,
+            len(self._queued), self.num_loads,
             self.load_s, self.writes_stopped)
 
     def clear(self) -> int:

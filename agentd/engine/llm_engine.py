@@ -198,6 +198,7 @@ class LLMEngine:
                                    config.enable_prefix_caching)
         if self.disk.enabled:
             self.kv_cache.on_cached = self.disk.stage
+            self.kv_cache.pool.on_evicted = self.disk.restage  # a dropped write's last chance
             if isinstance(self.kv_events, KVEventPublisher):
                 self.disk.publish(self.kv_events)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs,

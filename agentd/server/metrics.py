@@ -109,7 +109,9 @@ def _disk_families(model_name: str, stats: EngineStats) -> Iterator[Metric]:
             ("agentd:kv_disk_blocks_rejected", "Stored KV blocks that failed their checks "
              "(recomputed).", disk.num_blocks_rejected),
             ("agentd:kv_disk_writes_dropped", "KV block writes dropped on a full queue.",
-             disk.num_writes_dropped)):
+             disk.num_writes_dropped),
+            ("agentd:kv_disk_writes_retried", "Of those, blocks staged again when the pool "
+             "evicted them.", disk.num_writes_retried)):
         family = CounterMetricFamily(name, doc, labels=labels)
         family.add_metric([model_name], value)
         yield family

@@ -202,6 +202,33 @@ def test_the_engine_never_waits_on_the_disk(model, reference, tmp_path) -> None:
     engine.close()
 
 
+def test_a_write_dropped_on_a_full_queue_is_made_when_the_pool_evicts_the_block(
+        model, reference, tmp_path) -> None:
+    """The writer stuck and the queue full while the prompt is computed: all its blocks' writes
+    are dropped. Once the queue has room, the pool's eviction of those blocks stages them again,
+    so the prompt still comes back from disk, with the tokens it was computed with."""
+    _, prompt, expected = reference
+    engine = make_engine(model, tmp_path / "kv")
+    disk = engine.disk
+    gate = threading.Event()
+    put = disk.store.put
+    disk.store.put = lambda *args: gate.wait() and put(*args)
+    queue_bytes, disk.max_queue_bytes = disk.max_queue_bytes, 2 * disk.store.block_bytes
+    assert run(engine, prompt) == (expected, 0)
+    assert disk.num_writes_dropped == NUM_CACHED // BLOCK_SIZE and disk.num_writes_retried == 0
+    gate.set()
+    disk.max_queue_bytes = queue_bytes
+    stored(engine, 0)
+    assert disk.store.count_leading(engine.kv_cache.find_cached_prefix(prompt).block_hashes) == 0
+    evict(engine, prompt)  # the pool gives the prompt's blocks to other prompts
+    assert disk.num_writes_retried == NUM_CACHED // BLOCK_SIZE
+    stored(engine, NUM_CACHED // BLOCK_SIZE)
+    assert run(engine, prompt) == (expected, NUM_CACHED)
+    assert engine.stats().scheduler.prefix_cache_disk_hits == NUM_CACHED
+    engine.kv_cache.pool.check_integrity()
+    engine.close()
+
+
 def test_a_load_into_blocks_moved_out_of_a_cached_prefix_corrupts_neither(model, tmp_path) -> None:
     """After a restart, A loads from disk and stays cached; B shares A's first 3 blocks, so its
     table grows into A's cached blocks, whose KV the pool moves elsewhere (a copy before the

@@ -83,6 +83,7 @@ def test_an_evicted_prompt_and_a_restart_read_the_prefix_from_disk(daemon) -> No
         time.sleep(0.1)
     metrics = httpx.get(f"{daemon.url}/metrics").text
     assert "agentd:kv_disk_kept_bytes" in metrics
+    assert "agentd:kv_disk_writes_retried_total" in metrics
     hits = next(line for line in metrics.splitlines()
                 if line.startswith("agentd:kv_disk_hit_tokens_total"))
     assert float(hits.rsplit(" ", 1)[1]) >= num_prompt // 16 * 16

@@ -171,7 +171,9 @@ def serve(args: argparse.Namespace, name: str, kv: str, context: int, lengths: l
           prompts: dict[int, list[int]], turns: dict[int, list[int]]) -> list[tuple]:
     """One server at one KV dtype over every prompt length: its rows of the table."""
     started = time.perf_counter()
-    env = {"AGENTD_PREFILL_BF16": "0"} if args.fp32_products else None
+    env = {"AGENTD_PREFILL_BF16": "0"} if args.fp32_products else {}
+    if args.avx2:  # agentd's kernels, torch's and oneDNN's capped at AVX2 (+FMA)
+        env.update(AGENTD_CPU_ISA="avx2", ATEN_CPU_CAPABILITY="avx2", ONEDNN_MAX_CPU_ISA="AVX2")
     dtype = {"f16": "float16"}.get(kv, kv)
     server = (Agentd(args.gguf, context, args.threads,
                      ["--kv-cache-dtype", dtype, *shlex.split(args.agentd_args)], env=env)
@@ -208,6 +210,9 @@ def main() -> None:
     parser.add_argument("--fp32-products", action="store_true", help="agentd's prefill "
                         "attention with fp32 products (AGENTD_PREFILL_BF16=0; bfloat16 is the "
                         "default on AVX512-BF16 CPUs)")
+    parser.add_argument("--avx2", action="store_true", help="agentd on its AVX2 paths "
+                        "(AGENTD_CPU_ISA=avx2, ATEN_CPU_CAPABILITY=avx2, ONEDNN_MAX_CPU_ISA=AVX2); "
+                        "pass a llama-server built for AVX2 (-DGGML_NATIVE=OFF -DGGML_AVX2=ON)")
     parser.add_argument("--tier", action="store_true",
                         help="then the disk tier at the longest length (agentd only)")
     parser.add_argument("--tier-pool", default="4GiB", help="the pool for --tier: room for "
@@ -216,6 +221,9 @@ def main() -> None:
     lengths = [int(n) for n in args.tokens.split(",")]
     context = max(lengths) + 3 * args.turn + args.max_tokens + 64
     print(cpu_line())
+    if args.avx2:
+        print("agentd on its AVX2 paths (AGENTD_CPU_ISA=avx2 ATEN_CPU_CAPABILITY=avx2 "
+              f"ONEDNN_MAX_CPU_ISA=AVX2); llama-server: {args.llama_server}")
     print(f"{args.gguf}: prompts {lengths}, warm turn +{args.turn}, context {context}, "
           f"{args.threads} threads", flush=True)
     rng = random.Random(0)

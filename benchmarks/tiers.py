@@ -1,8 +1,12 @@
 """Agent sessions whose prefixes outgrow the pool: TTFT and tokens computed per turn with the KV
-disk tier (agentd's default) and without it (``--no-kv-disk``), then after a ``kill -9``.
+disk tier (agentd's default) and without it (``--no-kv-disk``), then after a ``kill -9``; with
+``--llama-server PATH``, the same sessions on llama-server with its prompt cache in RAM
+(``--cache-ram`` the size of agentd's pool, one slot of ``--llama-context`` tokens, ``--jinja``
+for the tools, ``-fa on``) on the same GGUF.
 
     python benchmarks/tiers.py [--model PATH] [--sessions 4] [--turns 3] [--pool 160MiB]
                                [--max-tokens 8] [--daemon-args "..."] [--json out.json]
+                               [--llama-server PATH]
 
 Sessions are the packaged agent workloads (research, support, code-editing, then the same again),
 each with its own prefix (a session line first in its system text): the system prompt and tools,
@@ -11,7 +15,10 @@ session, then turn 2, ...), so with a pool that holds about two sessions each se
 have been evicted by the others' before its next turn. Then ``kill -9``, a start on the same
 state dir and one more turn of each session. Each configuration runs on a fresh state dir, one
 request at a time. Per request: TTFT, prompt tokens, tokens from the pool, from the disk (the
-daemon's ``prefix_cache_disk_hits`` after it) and computed.
+daemon's ``prefix_cache_disk_hits`` after it) and computed. llama-server reports the tokens
+its prompt cache served (``prompt_tokens_details.cached_tokens``) as a whole: they count as
+"pool" tokens here; it renders the chat with the GGUF's own template, so its prompts' lengths
+differ a little from agentd's.
 """
 
 from __future__ import annotations
@@ -20,16 +27,21 @@ import argparse
 import asyncio
 import json
 import shlex
+import signal
 import statistics
+import subprocess
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from agentd.bench.client import BenchClient
-from agentd.bench.spawn import SpawnedDaemon
+from agentd.bench.spawn import SpawnedDaemon, free_port
 from agentd.bench.workload import Namespace, Workload, load_workload, packaged_path
+from agentd.config import parse_size
 
 WORKLOADS = ("research_agent", "support_agent", "code_edit_agent")
 
@@ -57,6 +69,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--daemon-args", default="", help="more `agentd start` options")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--llama-server", default=None, help="a llama-server binary: the same "
+                        "sessions on it, its prompt cache (--cache-ram) the size of --pool")
+    parser.add_argument("--llama-context", type=int, default=8192, help="llama-server's -c")
+    parser.add_argument("--threads", type=int, default=2, help="llama-server's -t")
     return parser.parse_args()
 
 
@@ -118,6 +134,75 @@ async def run_config(config: str, daemon_args: list[str], args: argparse.Namespa
     return turns
 
 
+class LlamaServer:
+    """llama-server on one port, started again on it after a ``kill -9``."""
+
+    def __init__(self, binary: str, gguf: str, args: argparse.Namespace) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cache_mib = max(1, parse_size(args.pool) // 2**20)
+        self.command = [binary, "-m", gguf, "-c", str(args.llama_context), "-np", "1",
+                        "-fa", "on", "-t", str(args.threads), "--jinja",
+                        "--cache-ram", str(cache_mib), "--host", "127.0.0.1",
+                        "--port", str(self.port)]
+        self.log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log",
+                                               delete=False)
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> float:
+        started = time.monotonic()
+        self.process = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT)
+        while time.monotonic() - started < 600:
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return time.monotonic() - started
+            except httpx.TransportError:
+                pass
+            if self.process.poll() is not None:
+                raise RuntimeError(f"llama-server exited; see {self.log.name}")
+            time.sleep(0.2)
+        raise RuntimeError("llama-server did not come up")
+
+    def kill(self) -> None:
+        assert self.process is not None
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(60)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(60)
+
+
+async def run_llama(args: argparse.Namespace, workloads: list[Workload]) -> list[Turn]:
+    """The sessions on llama-server, then a ``kill -9``, a start and one more turn each."""
+    from agentd.model.default_model import default_gguf_path
+
+    server = LlamaServer(args.llama_server, args.model or str(default_gguf_path()), args)
+    ready_s = server.start()
+    print(f"[llama] ready in {ready_s:.1f} s: {' '.join(server.command[1:])}", flush=True)
+    client = BenchClient(server.url, None)
+    turns: list[Turn] = []
+    try:
+        info = await client.detect(None, True)
+        sessions = [Session(i, workloads[i % len(workloads)]) for i in range(args.sessions)]
+        for number in range(1, args.turns + 1):
+            for session in sessions:
+                turns.append(await one_turn(client, info.model, session, "llama",
+                                            f"turn {number}", args.max_tokens))
+                print(row(turns[-1]), flush=True)
+        server.kill()
+        print(f"[llama] kill -9, ready again in {server.start():.1f} s", flush=True)
+        for session in sessions:
+            turns.append(await one_turn(client, info.model, session, "llama", "after restart",
+                                        args.max_tokens))
+            print(row(turns[-1]), flush=True)
+    finally:
+        await client.aclose()
+        server.stop()
+    return turns
+
+
 def row(turn: Turn) -> str:
     return (f"  {turn.config:<8} {turn.phase:<14} session {turn.session}  TTFT "
             f"{turn.ttft_s:7.2f} s  prompt {turn.prompt_tokens:5d}  pool {turn.pool_tokens:5d}  "
@@ -151,6 +236,8 @@ def main() -> None:
     turns = []
     for config, extra in (("disk", []), ("no-disk", ["--no-kv-disk"])):
         turns += asyncio.run(run_config(config, [*base, *extra], args, workloads))
+    if args.llama_server:
+        turns += asyncio.run(run_llama(args, workloads))
     figures = summary(turns)
     print()
     print(f"{'':10}{'turn 1 TTFT':>14}{'later turns':>14}{'after restart':>16}"
@@ -166,6 +253,10 @@ def main() -> None:
               f"{plain['after_restart_ttft_s'] / disk['after_restart_ttft_s']:.1f}x; after the "
               f"restart over later turns (disk): "
               f"{disk['after_restart_ttft_s'] / disk['later_turns_ttft_s']:.2f}x")
+    if (llama := figures.get("llama")) and disk["later_turns_ttft_s"]:
+        print(f"agentd (disk) / llama-server (--cache-ram): later turns "
+              f"{disk['later_turns_ttft_s'] / llama['later_turns_ttft_s']:.2f}x, after the "
+              f"restart {disk['after_restart_ttft_s'] / llama['after_restart_ttft_s']:.2f}x")
     if args.json is not None:
         args.json.write_text(json.dumps({"turns": [asdict(t) for t in turns],
                                          "summary": figures}, indent=2))

@@ -172,6 +172,10 @@ def add(cluster_dir: Path | None) -> None:
         _stop_replicas([replica])
         _write(root, {**state, "replicas": before})
         raise
+    deadline = time.monotonic() + ROUTER_READY_TIMEOUT_S
+    client = DaemonClient(router["url"])
+    while _routes_to(client, [replica["url"]]) is False and time.monotonic() < deadline:
+        time.sleep(0.5)  # the router health-checks it before it routes to it
     click.echo(f"replica {replica['url']} added")
 
 
@@ -254,7 +258,9 @@ def _start_replicas(replicas: list[dict[str, Any]], state: dict[str, Any]) -> No
 
 def _start_router(smg: str, root: Path, host: str, port: int, policy: str,
                   worker_urls: list[str], url: str, extra: list[str]) -> dict[str, Any]:
-    """``smg launch`` in the background, detached; returns once it routes to a replica."""
+    """``smg launch`` in the background, detached; returns once it routes to every replica
+    (its ``/workers`` lists each healthy and ready: SMG answers ``/v1/models`` as soon as one
+    is, and a cluster whose first requests all went to one replica kept its agents there)."""
     args = [smg, "launch", "--host", host, "--port", str(port), "--backend", "vllm",
             "--policy", policy, "--worker-urls", *worker_urls,
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(port + 1000),
@@ -277,14 +283,31 @@ def _start_router(smg: str, root: Path, host: str, port: int, policy: str,
             raise click.ClickException(f"smg exited ({process.returncode}); see {root}/router.log")
         try:
             models = client.request("GET", "/v1/models")
-            if models.status_code == 200 and models.json().get("data"):
+            if (models.status_code == 200 and models.json().get("data")
+                    and _routes_to(client, worker_urls) is not False):
                 return {"pid": process.pid, "url": url, "policy": policy}
         except (DaemonUnreachable, click.ClickException, ValueError):
             pass
         time.sleep(0.5)
     _terminate(process.pid)
-    raise click.ClickException(f"the router did not come up in {ROUTER_READY_TIMEOUT_S:.0f} s; "
+    raise click.ClickException(f"the router did not route to every replica in "
+                               f"{ROUTER_READY_TIMEOUT_S:.0f} s; "
                                f"see {root}/router.log")
+
+
+def _routes_to(client: DaemonClient, worker_urls: list[str]) -> bool | None:
+    """Whether the router lists every one of ``worker_urls`` healthy and ready; None where its
+    ``/workers`` does not say (another SMG, or it wants an admin key)."""
+    response = client.request("GET", "/workers")
+    if response.status_code != 200:
+        return None
+    try:
+        workers = response.json()["workers"]
+        ready = {w["url"] for w in workers
+                 if w.get("is_healthy", True) and w.get("status", "ready") == "ready"}
+    except (ValueError, KeyError, TypeError):
+        return None
+    return set(worker_urls) <= ready
 
 
 def _register_pins(root: Path, url: str) -> None:

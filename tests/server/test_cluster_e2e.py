@@ -92,6 +92,9 @@ class Cluster:
         assert done.returncode == 0, done.stdout + done.stderr
         self.state = json.loads((self.root / "cluster.json").read_text())
         self.replicas = [r["url"] for r in self.state["replicas"]]
+        # `start` returns once the router routes to every replica, not only to the first ready
+        workers = httpx.get(f"{self.url}/workers", timeout=10).json()["workers"]
+        assert sorted(w["url"] for w in workers if w["is_healthy"]) == sorted(self.replicas)
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -106,10 +109,12 @@ class Cluster:
                              timeout=300)
 
 
-def ask(client: openai.OpenAI, system: str, user: str, max_tokens: int = 4) -> Any:
+def ask(client: openai.OpenAI, system: str, user: str, max_tokens: int = 4,
+        key: str | None = None) -> Any:
     return client.chat.completions.create(
         model=MODEL, temperature=0, max_tokens=max_tokens,
-        messages=[{"role": "system", "content": system}, {"role": "user", "content": user}])
+        messages=[{"role": "system", "content": system}, {"role": "user", "content": user}],
+        extra_body={"prompt_cache_key": key} if key else None)
 
 
 @functools.cache
@@ -131,23 +136,42 @@ def system_prefix_tokens(system: str, users: list[str]) -> int:
     return shared // BLOCK_SIZE * BLOCK_SIZE
 
 
-def run_workloads(cluster: Cluster) -> dict[str, Any]:
-    """Each workload's turns in order through the router; per workload, the requests each
-    replica finished and the cached tokens of each reply."""
+def run_workloads(cluster: Cluster, burst: bool = False) -> dict[str, Any]:
+    """Each workload's turns in order through the router, its name as the requests'
+    ``prompt_cache_key``; per workload, the requests each replica finished (the replica's
+    ``/v1/stats`` by key) and the cached tokens of each reply. ``burst``: the workloads' first
+    turns arrive together (new agents starting at once), the rest one at a time. SMG sends a
+    request that matches no replica's prefixes to the least loaded one, the first listed on a
+    tie: agents arriving one by one onto idle replicas may all land on one."""
     client = cluster.client()
     report: dict[str, Any] = {}
+    loaded = {name: workload(name) for name in WORKLOADS}
+    first: dict[str, Any] = {}
+    if burst:
+        start = threading.Barrier(len(WORKLOADS))
+
+        def first_turn(name: str) -> None:
+            system, turns = loaded[name]
+            start.wait()
+            first[name] = ask(client, system, turns[0], 16, name)
+
+        threads = [threading.Thread(target=first_turn, args=(name,)) for name in WORKLOADS]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
     for name in WORKLOADS:
-        system, turns = workload(name)
-        before = cluster.stats()
-        cached = [ask(client, system, turn).usage.prompt_tokens_details.cached_tokens
-                  for turn in turns]
-        after = cluster.stats()
+        system, turns = loaded[name]
+        replies = [first[name]] if name in first else []
+        replies += [ask(client, system, turn, key=name) for turn in turns[len(replies):]]
         report[name] = {
-            "per_replica": [a["num_requests_finished"] - b["num_requests_finished"]
-                            for a, b in zip(after, before, strict=True)],
-            "cached": cached,
+            "cached": [r.usage.prompt_tokens_details.cached_tokens for r in replies],
             "prefix": system_prefix_tokens(system, turns)}
     stats = cluster.stats()
+    for name in WORKLOADS:
+        report[name]["per_replica"] = [
+            sum(row["requests"] for row in s.get("by_key", []) if row["key"] == name)
+            for s in stats]
     report["hit_rate"] = (sum(s["prefix_cache_hits"] for s in stats)
                           / sum(s["prefix_cache_queries"] for s in stats))
     return report
@@ -164,7 +188,7 @@ def cache_aware(tmp_path_factory, tiny: Path) -> Iterator[tuple[Cluster, dict[st
     workloads; it serves the module's tests, the replica kill last."""
     with Cluster(tmp_path_factory.mktemp("ca"), tiny, "cache_aware", "--gpus",
                  "0,1") as cluster:
-        yield cluster, run_workloads(cluster)
+        yield cluster, run_workloads(cluster, burst=True)
 
 
 def test_cache_aware_routing_keeps_each_agent_on_its_replica(
@@ -183,7 +207,7 @@ def test_cache_aware_routing_keeps_each_agent_on_its_replica(
         assert sorted(per_replica) == [0, TURNS], (name, per_replica)
         assert all(c >= report[name]["prefix"] for c in cached[1:]), (name, cached)
     used = {report[name]["per_replica"].index(TURNS) for name in WORKLOADS}
-    assert used == {0, 1}  # the agents are spread over both replicas
+    assert used == {0, 1}  # agents starting together are spread over both replicas
 
 
 @pytest.mark.full

@@ -1,8 +1,9 @@
 """Agent sessions whose prefixes outgrow the pool: TTFT and tokens computed per turn with the KV
 disk tier (agentd's default) and without it (``--no-kv-disk``), then after a ``kill -9``; with
 ``--llama-server PATH``, the same sessions on llama-server with its prompt cache in RAM
-(``--cache-ram`` the size of agentd's pool, one slot of ``--llama-context`` tokens, ``--jinja``
-for the tools, ``-fa on``) on the same GGUF.
+(``--cache-ram`` the size of agentd's pool, one slot of ``--llama-context`` tokens, ``-fa on``)
+on the same GGUF, the tools sent as system text (the default model's template in the GGUF
+renders none).
 
     python benchmarks/tiers.py [--model PATH] [--sessions 4] [--turns 3] [--pool 160MiB]
                                [--max-tokens 8] [--daemon-args "..."] [--json out.json]
@@ -90,13 +91,17 @@ class Session:
         return {"role": "user", "content": turn}
 
 
+async def disk_hits(client: BenchClient, agentd: bool) -> int:
+    return (await client.stats() or {}).get("prefix_cache_disk_hits", 0) if agentd else 0
+
+
 async def one_turn(client: BenchClient, model: str, session: Session, config: str, phase: str,
-                   max_tokens: int) -> Turn:
-    before = (await client.stats() or {}).get("prefix_cache_disk_hits", 0)
+                   max_tokens: int, agentd: bool = True) -> Turn:
+    before = await disk_hits(client, agentd)
     session.messages.append(session.next_user())
     result = await client.chat(phase, model, session.messages, session.workload.tools,
                                Namespace(), max_tokens)
-    disk = (await client.stats() or {}).get("prefix_cache_disk_hits", 0) - before
+    disk = await disk_hits(client, agentd) - before
     session.messages.append({"role": "assistant", "content": f"Noted ({session.num_turns})."})
     cached = result.cached_tokens or 0
     return Turn(config, phase, session.index, result.ttft_s or result.e2e_s,
@@ -181,7 +186,8 @@ async def run_llama(args: argparse.Namespace, workloads: list[Workload]) -> list
     server = LlamaServer(args.llama_server, args.model or str(default_gguf_path()), args)
     ready_s = server.start()
     print(f"[llama] ready in {ready_s:.1f} s: {' '.join(server.command[1:])}", flush=True)
-    client = BenchClient(server.url, None)
+    # the tools as system text: the default model's template in the GGUF renders no tools
+    client = BenchClient(server.url, None, tools_in_system=True)
     turns: list[Turn] = []
     try:
         info = await client.detect(None, True)
@@ -189,13 +195,13 @@ async def run_llama(args: argparse.Namespace, workloads: list[Workload]) -> list
         for number in range(1, args.turns + 1):
             for session in sessions:
                 turns.append(await one_turn(client, info.model, session, "llama",
-                                            f"turn {number}", args.max_tokens))
+                                            f"turn {number}", args.max_tokens, False))
                 print(row(turns[-1]), flush=True)
         server.kill()
         print(f"[llama] kill -9, ready again in {server.start():.1f} s", flush=True)
         for session in sessions:
             turns.append(await one_turn(client, info.model, session, "llama", "after restart",
-                                        args.max_tokens))
+                                        args.max_tokens, False))
             print(row(turns[-1]), flush=True)
     finally:
         await client.aclose()

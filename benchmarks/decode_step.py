@@ -5,7 +5,9 @@ values (in its dtype) for the longest context, then one sequence decodes ``--ste
 ``--tokens`` length; the median step time gives tok/s, and the bytes a step must read (the
 weights' tensors, the token embedding's one row unless it is also the output matrix, plus the
 context's KV in the pool's dtype) over the step time give its GB/s, printed beside a plain
-streaming read (``torch.sum`` of 1 GiB, the best of 10) on the same threads. ``--seqs N``:
+streaming read (``torch.sum`` of 1 GiB, the best of 10) on the same threads, measured right
+before and right after each row's steps (a VM's bandwidth moves with its neighbours: 51-86 GB/s
+on one afternoon here), the row's share taken against their mean. ``--seqs N``:
 N sequences at that context decode together, each over blocks of its own (does the pool hold
 them, and what is the process's peak RSS once they are all resident).
 
@@ -82,13 +84,12 @@ def main() -> None:
     args = parser.parse_args()
     lengths = [int(n) for n in args.tokens.split(",")]
     print(cpu_line())
-    stream = streaming_gbs(args.threads)
     weights = weight_bytes(args.gguf)
-    print(f"{args.gguf.name}: {weights / 1e9:.2f} GB of weights a step; streaming read "
-          f"{stream:.1f} GB/s on {args.threads} threads")
+    print(f"{args.gguf.name}: {weights / 1e9:.2f} GB of weights a step; {args.threads} threads")
     print(f"{args.seqs} sequence(s) a step; tok/s counts all of them")
-    print("| KV | context | step (median) | tok/s | KV bytes | GB/s | of streaming |")
-    print("|---|---|---|---|---|---|---|")
+    print("| KV | context | step (median) | tok/s | KV bytes | GB/s | streaming before / after "
+          "| of streaming |")
+    print("|---|---|---|---|---|---|---|---|")
     for kv in args.kv.split(","):
         engine = LLMEngine(engine_config(str(args.gguf), kv_cache_dtype=KV_NAMES[kv],
                                          max_model_len=max(lengths) + args.steps + 16,
@@ -103,6 +104,7 @@ def main() -> None:
         tables = [list(range(i * num_blocks, (i + 1) * num_blocks)) for i in range(args.seqs)]
         per_token = engine.kv_plan.num_bytes / engine.kv_plan.num_tokens
         for length in lengths:
+            before = streaming_gbs(args.threads)
             times = []
             for i in range(args.steps + 3):
                 started = time.perf_counter()
@@ -110,10 +112,12 @@ def main() -> None:
                                                         True) for j, table in enumerate(tables)])
                 times.append(time.perf_counter() - started)
             step = statistics.median(times[3:])
+            after = streaming_gbs(args.threads)
             kv_bytes = per_token * length * args.seqs
             rate = (weights + kv_bytes) / step / 1e9
             print(f"| {kv} | {length:,} | {step * 1e3:.1f} ms | {args.seqs / step:.2f} | "
-                  f"{kv_bytes / 1e9:.2f} GB | {rate:.1f} | {rate / stream:.0%} |", flush=True)
+                  f"{kv_bytes / 1e9:.2f} GB | {rate:.1f} | {before:.1f} / {after:.1f} | "
+                  f"{rate / ((before + after) / 2):.0%} |", flush=True)
         del engine
     peak = read_status_bytes(os.getpid(), "VmHWM") or 0
     print(f"peak RSS {peak / 2**30:.2f} GiB ({args.seqs} sequence(s), the pool filled for them)")

@@ -138,7 +138,7 @@ def _disk(disk: dict[str, Any], markup: bool = True) -> str:
         line += f"; {disk['num_blocks_rejected']} failed their checks (recomputed)"
     if disk["num_writes_dropped"]:
         line += (f"; {disk['num_writes_dropped']} writes dropped (queue full), "
-                 f"{disk.get('num_writes_retried', 0)} of them written at eviction")
+                 f"{disk.get('num_writes_retried', 0)} of them retried at eviction")
     if disk["writes_stopped"]:
         stopped = f"writes stopped: {disk['writes_stopped']}"
         line += f"; [red]{stopped}[/]" if markup else f"; {stopped}"

@@ -91,16 +91,16 @@ def cpu_prefill(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
                 scale: float) -> torch.Tensor:
     """agentd's C++ prefill attention (``ops_prefill.h``: the context read in place in the
     pool's dtype, flash-style tiles, fp32 softmax and sums; the products in bfloat16 for a
-    non-fp32 pool on CPUs with AVX512-BF16, see ``fused.prefill_attention``), but chunks of at most ``SHORT_CHUNK_ROWS`` rows
-    in a float16/bfloat16 pool (a speculative step's drafts) as decode rows: they read a row
-    group's blocks once with no padding of the queries, and a draft row's logits come out of
-    the same kernel as the row a plain decode step runs. Torch's path where the queries are not
-    fp32.
+    non-fp32 pool on CPUs with AVX512-BF16, see ``fused.prefill_attention``), but chunks of at
+    most ``SHORT_CHUNK_ROWS`` rows in a float16/bfloat16 pool (a speculative step's drafts) as
+    decode rows: they read a row group's blocks once with no padding of the queries, and a
+    draft row's logits come out of the same kernel as the row a plain decode step runs. Torch's
+    path where the queries are not fp32.
 
     1.7B's shape (32 heads of 64), a float16 pool, 2 Zen 5 cores, one layer: 300 rows behind
-    16,384 cached tokens 98 ms with bf16 products (fp32 ones, ``AGENTD_PREFILL_BF16=0``: 196 ms) against
-    torch's 451 ms; 512 rows from nothing 4.8 ms against 15.9 ms; one row behind 16k, 7.6 ms
-    as a decode row against 30 ms here (the tiles' 64 query lanes mostly empty)."""
+    16,384 cached tokens 98 ms with bf16 products (fp32 ones, ``AGENTD_PREFILL_BF16=0``: 196
+    ms) against torch's 451 ms; 512 rows from nothing 4.8 ms against 15.9 ms; one row behind
+    16k, 7.6 ms as a decode row against 30 ms here (the tiles' 64 query lanes mostly empty)."""
     if query.dtype != torch.float32:
         return torch_prefill_attention(query, kv_cache, block_tables, query_start_loc,
                                        seq_lens, scale)

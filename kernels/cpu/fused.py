@@ -60,20 +60,24 @@ def prefill_attention(query: torch.Tensor, kv_cache: torch.Tensor, block_tables:
         return torch_prefill_attention(query, kv_cache, block_tables, query_start_loc,
                                        seq_lens, scale)
     if bf16 is None:
-        bf16 = kv_cache.dtype != torch.float32 and os.environ.get(BF16_ENV) != "0"
+        bf16 = _bf16_by_default(kv_cache.dtype)
     return _cpu._native().module.prefill_attention(query, kv_cache, block_tables,
                                                    query_start_loc, seq_lens, scale, bf16, isa)
 
 
+def _bf16_by_default(kv_dtype: torch.dtype) -> bool:
+    """Whether :func:`prefill_attention` asks for bfloat16 products in a pool of ``kv_dtype``."""
+    return kv_dtype != torch.float32 and os.environ.get(BF16_ENV) != "0"
+
+
 def prefill_products(kv_dtype: torch.dtype, head_dim: int) -> str:
     """What :func:`prefill_attention`'s default multiplies in, for a pool of ``kv_dtype`` here:
-    ``bfloat16`` or ``fp32`` (``agentd status`` and the start log say it)."""
+    ``bfloat16`` or ``fp32`` (``agentd status`` says it)."""
     isa = _native_isa()
     if isa is None:
         return "fp32 (torch)"
-    bf16 = (kv_dtype != torch.float32 and os.environ.get(BF16_ENV) != "0"
-            and _cpu.ISAS[isa] == "avx512_vnni" and head_dim % 16 == 0
-            and _cpu._native().module.has_bf16_attention())
+    bf16 = (_bf16_by_default(kv_dtype) and _cpu.ISAS[isa] == "avx512_vnni"
+            and head_dim % 16 == 0 and _cpu._native().module.has_bf16_attention())
     return "bfloat16 (AVX512-BF16)" if bf16 else "fp32"
 
 

@@ -110,6 +110,12 @@ class ServerState:
         except Exception as exc:  # every load failure is reported as one line, then we exit
             self.load_error = str(exc).strip().splitlines()[0] if str(exc).strip() else repr(exc)
             logger.error("could not load the model: %s", self.load_error)
+            from agentd.engine.kv_sizing import format_bytes, proc_status_bytes
+
+            rss, peak = proc_status_bytes("VmRSS"), proc_status_bytes("VmHWM")
+            if rss and peak:  # what the attempt cost this process, children apart
+                logger.info("this process at the failed load: RSS %s (peak %s)",
+                            format_bytes(rss), format_bytes(peak))
             self.request_exit(1)
             return
         if self.closing:  # stopped during the load: nothing will serve this engine

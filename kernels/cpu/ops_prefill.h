@@ -77,10 +77,10 @@ inline void values_block(const float* st, const float* vt, int n, int D, int i0,
   }
 }
 
-template <int R>
+template <int R, int NV = 4>
 inline void values_rows(const float* st, const float* vt, int n, int D, int i0, float* o) {
   int dc = 0;
-  for (; dc + 4 * kWidth <= D; dc += 4 * kWidth) values_block<R, 4>(st, vt, n, D, i0, dc, o);
+  for (; dc + NV * kWidth <= D; dc += NV * kWidth) values_block<R, NV>(st, vt, n, D, i0, dc, o);
   for (; dc + kWidth <= D; dc += kWidth) values_block<R, 1>(st, vt, n, D, i0, dc, o);
 }
 #endif
@@ -200,9 +200,10 @@ void attend_chunk_as(const KvLayout& kv, const float* query, int64_t query_strid
       // o[i] += sum over t of st[t, i] * v_t
 #if defined(AGENTD_OPS_AVX512) || defined(AGENTD_OPS_AVX2)
       if (vectors) {
-        constexpr int R = kWidth == 16 ? 4 : 2;
+        constexpr int R = kWidth == 16 ? 4 : 6;
+        constexpr int NV = kWidth == 16 ? 4 : 2;
         int i0 = 0;
-        for (; i0 + R <= M; i0 += R) values_rows<R>(st, vt, n, D, i0, o);
+        for (; i0 + R <= M; i0 += R) values_rows<R, NV>(st, vt, n, D, i0, o);
         for (; i0 < M; ++i0) values_rows<1>(st, vt, n, D, i0, o);
       }
 #endif

@@ -25,7 +25,6 @@ import argparse
 import json
 import random
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,9 +32,10 @@ from pathlib import Path
 
 import httpx
 
+from agentd.bench.llama_server import LlamaServer
 from agentd.bench.machine import cpu_line
 from agentd.bench.rss import read_status_bytes
-from agentd.bench.spawn import SpawnedDaemon, free_port
+from agentd.bench.spawn import SpawnedDaemon
 
 
 def stream(url: str, prompt: list[int], max_tokens: int) -> tuple[float, float | None]:
@@ -69,35 +69,11 @@ def stream(url: str, prompt: list[int], max_tokens: int) -> tuple[float, float |
     return first - started, rate
 
 
-class LlamaServer:
-    def __init__(self, binary: str, gguf: str, context: int, threads: int,
-                 kv: str = "f16") -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log",
-                                               delete=False)
-        self.process = subprocess.Popen(
-            [binary, "-m", gguf, "-c", str(context), "-np", "1", "-fa", "on", "-t", str(threads),
-             "-ctk", kv, "-ctv", kv, "--host", "127.0.0.1", "--port", str(self.port)],
-            stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if self.process.poll() is not None:
-                raise RuntimeError(f"llama-server exited; see {self.log.name}")
-            time.sleep(0.2)
-        raise RuntimeError("llama-server did not come up")
-
-    def peak_rss_mib(self) -> float:
-        return (read_status_bytes(self.process.pid, "VmHWM") or 0) / 2**20
-
-    def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(60)
+def llama_server(binary: str, gguf: str, context: int, threads: int, kv: str) -> LlamaServer:
+    server = LlamaServer(binary, gguf, "-c", str(context), "-np", "1", "-fa", "on", "-t",
+                         str(threads), "-ctk", kv, "-ctv", kv)
+    server.start()
+    return server
 
 
 class Agentd:
@@ -178,7 +154,7 @@ def serve(args: argparse.Namespace, name: str, kv: str, context: int, lengths: l
     server = (Agentd(args.gguf, context, args.threads,
                      ["--kv-cache-dtype", dtype, *shlex.split(args.agentd_args)], env=env)
               if name == "agentd" else
-              LlamaServer(args.llama_server, args.gguf, context, args.threads, kv))
+              llama_server(args.llama_server, args.gguf, context, args.threads, kv))
     print(f"{name} ({kv} KV): ready in {time.perf_counter() - started:.1f} s", flush=True)
     rows = []
     try:

@@ -28,19 +28,16 @@ import argparse
 import asyncio
 import json
 import shlex
-import signal
 import statistics
-import subprocess
 import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 from agentd.bench.client import BenchClient
-from agentd.bench.spawn import SpawnedDaemon, free_port
+from agentd.bench.llama_server import LlamaServer
+from agentd.bench.spawn import SpawnedDaemon
 from agentd.bench.workload import Namespace, Workload, load_workload, packaged_path
 from agentd.config import parse_size
 
@@ -139,51 +136,14 @@ async def run_config(config: str, daemon_args: list[str], args: argparse.Namespa
     return turns
 
 
-class LlamaServer:
-    """llama-server on one port, started again on it after a ``kill -9``."""
-
-    def __init__(self, binary: str, gguf: str, args: argparse.Namespace) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cache_mib = max(1, parse_size(args.pool) // 2**20)
-        self.command = [binary, "-m", gguf, "-c", str(args.llama_context), "-np", "1",
-                        "-fa", "on", "-t", str(args.threads), "--jinja",
-                        "--cache-ram", str(cache_mib), "--host", "127.0.0.1",
-                        "--port", str(self.port)]
-        self.log = tempfile.NamedTemporaryFile(prefix="llama-server-", suffix=".log",
-                                               delete=False)
-        self.process: subprocess.Popen | None = None
-
-    def start(self) -> float:
-        started = time.monotonic()
-        self.process = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT)
-        while time.monotonic() - started < 600:
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return time.monotonic() - started
-            except httpx.TransportError:
-                pass
-            if self.process.poll() is not None:
-                raise RuntimeError(f"llama-server exited; see {self.log.name}")
-            time.sleep(0.2)
-        raise RuntimeError("llama-server did not come up")
-
-    def kill(self) -> None:
-        assert self.process is not None
-        self.process.send_signal(signal.SIGKILL)
-        self.process.wait(60)
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            self.process.wait(60)
-
-
 async def run_llama(args: argparse.Namespace, workloads: list[Workload]) -> list[Turn]:
     """The sessions on llama-server, then a ``kill -9``, a start and one more turn each."""
     from agentd.model.default_model import default_gguf_path
 
-    server = LlamaServer(args.llama_server, args.model or str(default_gguf_path()), args)
+    server = LlamaServer(args.llama_server, args.model or str(default_gguf_path()),
+                         "-c", str(args.llama_context), "-np", "1", "-fa", "on",
+                         "-t", str(args.threads), "--jinja",
+                         "--cache-ram", str(max(1, parse_size(args.pool) // 2**20)))
     ready_s = server.start()
     print(f"[llama] ready in {ready_s:.1f} s: {' '.join(server.command[1:])}", flush=True)
     # the tools as system text: the default model's template in the GGUF renders no tools

@@ -1,5 +1,6 @@
 """How long a pin registration stalls running requests: its KV snapshot written on the engine
-thread (before) vs gathered there and written from a worker thread (after), measured side by side.
+thread (before) vs gathered there and written from a worker thread (after: today's path, into
+the block store's pinned segments), measured side by side.
 
 One process, the default model: 8 requests decode without pause (c=8 load) while a workload's
 prefix (system prompt + tools; its KV already cached, as when an operator pins a prompt agents
@@ -36,8 +37,8 @@ from agentd.config import EngineConfig, parse_size
 from agentd.engine.async_engine import AsyncEngine
 from agentd.engine.request import EngineRequest
 from agentd.engine.sampling_params import SamplingParams
-from agentd.pins import snapshots as pin_snapshots
 from agentd.pins.service import PinService, PinSpec
+from agentd.pins.stored_kv import write_pin_kv
 
 NUM_STREAMS = 8
 
@@ -125,12 +126,16 @@ async def register(service: PinService, spec: PinSpec,
     if on_engine_thread:  # the old path: gather, torch.save and fsync in one engine call
         _, engine_s = await service.engine.call(timed(lambda e: torch_save_like_before(
             e.gather_pin_snapshot(key), path)))
-    else:  # what PinService._snapshot does: a buffer made here, the gather there, the write here
+    else:  # what PinService._store_kv does: a buffer made here, the gather there, the records
+        # written into the block store's pinned segments here
         shape, dtype = await service.engine.call(lambda e: e.pin_snapshot_shape(key))
         buffer = await asyncio.to_thread(torch.zeros, shape, dtype=dtype)
         payload, engine_s = await service.engine.call(timed(
             lambda e: e.gather_pin_snapshot(key, buffer)))
-        await asyncio.to_thread(pin_snapshots.write_snapshot, payload, path, state_dir)
+        pin = await service.engine.get_pin(key)
+        keys = service.engine.pin_record_keys(pin.all_token_ids, pin.cache_salt)
+        store = await asyncio.to_thread(service.engine.pin_store, state_dir)
+        await asyncio.to_thread(write_pin_kv, store, keys, payload)
     await service.remove(key)
     return engine_s, pinned_at
 

@@ -1,9 +1,9 @@
-"""What a restart costs a pinned prefix: from its KV snapshot vs recomputed.
+"""What a restart costs a pinned prefix: its KV read from the block store vs recomputed.
 
 Starts ``agentd start`` on a free port with a fresh state dir (plus ``--daemon-args``), pins a
 workload's prefix (system prompt + tools), then ``kill -9``s the daemon and starts it again
-twice: with the pin's KV snapshot on disk, then with the snapshot deleted (the daemon then
-recomputes the pin: a cold prefill of the prefix, what a restart without snapshots costs). For
+twice: with the pin's KV in the store (``kv-store/``), then with the store deleted (the daemon
+then recomputes the pin: a cold prefill of the prefix, what a restart without it costs). For
 each start it prints the time to ready, the daemon's own ``pin_restore`` report (where the pin
 came from, how long that took) and the TTFT of the first request after it. Everything else
 (cold/warm TTFT, pressure, throughput) is ``agentd bench``.
@@ -72,7 +72,7 @@ def main() -> None:
     args = parse_args()
     workload = load_workload(workload_path(args.workload))
     with tempfile.TemporaryDirectory(prefix="agentd-restart-") as tmp:
-        # --no-kv-disk: the pin's snapshot or its recompute, not the disk tier's blocks
+        # --no-kv-disk: the pin's own records (pinned) or its recompute, no tier's copies
         daemon = SpawnedDaemon(Path(tmp) / "state", "--log-level", "warning", "--no-kv-disk",
                                *shlex.split(args.daemon_args), ready_timeout_s=900)
         try:
@@ -82,11 +82,11 @@ def main() -> None:
                   f"{PIN_NAME!r}")
             print(f"{'restart after kill -9':30} {'ready s':>8} {'pin from':>12} "
                   f"{'restore s':>10} {'first TTFT s':>13} {'cached':>7}")
-            for label, drop_snapshot in (("KV snapshot on disk", False),
-                                         ("snapshot deleted", True)):
+            for label, drop_store in (("pin's KV in the store", False),
+                                      ("store deleted", True)):
                 daemon.kill()
-                if drop_snapshot:
-                    shutil.rmtree(daemon.state_dir / "kv", ignore_errors=True)
+                if drop_store:
+                    shutil.rmtree(daemon.state_dir / "kv-store", ignore_errors=True)
                 ready_s = daemon.start()
                 report = httpx.get(f"{daemon.url}/v1/stats", timeout=60).json()["pin_restore"]
                 entry = next(e for e in report if e["name"] == PIN_NAME)

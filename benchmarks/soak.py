@@ -16,10 +16,11 @@ What runs:
   requests running/waiting, completed/aborted/refused/failed counts.
 
 Then traffic stops and, with ``--corruption-rounds`` (default: one per kind of damage), the
-daemon is stopped, something on disk is damaged — a snapshot's bits flipped, truncated or
-replaced with random bytes, its checksum deleted, ``pins.json`` truncated or garbled, a bad entry
-added to it, stray snapshots and another model's kv dir left behind — and started again: every
-pin must be listed, hit in full and give the greedy reply it gave before any damage.
+daemon is stopped, something on disk is damaged — a pin's segment in the block store with bits
+flipped, truncated, replaced with random bytes or deleted, ``pins.json`` truncated or garbled, a
+bad entry added to it, an older version's stray snapshots and another model's store left behind
+— and started again: every pin must be listed, hit in full and give the greedy reply it gave
+before any damage.
 
 At the end the pool must go idle (only pins hold blocks), ``/admin/integrity``
 must be ok and every reply must have been 200 or 503 (busy, or loading during a restart);
@@ -248,9 +249,9 @@ async def restarter(daemon: SpawnedDaemon, running: asyncio.Event, every_s: floa
 
 
 # --- damage on disk between restarts -----------------------------------------------------------
-def _snapshot(state: Path, name: str, suffix: str = ".pt") -> Path:
-    (path,) = state.glob(f"kv/*/{file_stem(name)}{suffix}")
-    return path
+def _pinned(state: Path, rng: random.Random) -> Path:
+    """One of the store's pinned segments (each holds one pin write's records)."""
+    return rng.choice(sorted(state.glob("kv-store/*/*.pin.seg")))
 
 
 def _flip_bits(path: Path, rng: random.Random) -> None:
@@ -267,27 +268,30 @@ def _bad_entry(path: Path) -> None:
 
 
 def _strays(state: Path, name: str) -> None:
-    snapshot = _snapshot(state, name)
-    snapshot.with_name("nobody.pt").write_bytes(b"stray")
-    other = state / "kv" / "0123456789abcdef-b16"
+    old = state / "kv" / "0123456789abcdef-b16"  # an older version's snapshots no pin names
+    old.mkdir(parents=True, exist_ok=True)
+    (old / f"{file_stem(name)}.pt").write_bytes(b"an older snapshot")
+    other = state / "kv-store" / "0123456789abcdef-b16"  # another model's store
     other.mkdir(parents=True, exist_ok=True)
-    (other / f"{name}.pt").write_bytes(b"another model's snapshot")
+    (other / "00000001.pin.seg").write_bytes(b"another model's pinned blocks")
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:4096])
 
 
 DAMAGE = {  # (what, how): how(state dir, a pin's name, rng)
-    "snapshot bits flipped": lambda state, name, rng: _flip_bits(_snapshot(state, name), rng),
-    "snapshot truncated": lambda state, name, rng: _snapshot(state, name).write_bytes(
-        _snapshot(state, name).read_bytes()[:4096]),
-    "snapshot replaced by random bytes": lambda state, name, rng: _snapshot(state, name)
-        .write_bytes(rng.randbytes(_snapshot(state, name).stat().st_size)),
-    "snapshot checksum deleted": lambda state, name, rng: _snapshot(state, name, ".pt.xxh3")
-        .unlink(),
+    "pinned segment bits flipped": lambda state, name, rng: _flip_bits(_pinned(state, rng), rng),
+    "pinned segment truncated": lambda state, name, rng: _truncate(_pinned(state, rng)),
+    "pinned segment replaced by random bytes": lambda state, name, rng: (
+        lambda path: path.write_bytes(rng.randbytes(path.stat().st_size)))(_pinned(state, rng)),
+    "pinned segment deleted": lambda state, name, rng: _pinned(state, rng).unlink(),
     "pins.json truncated": lambda state, name, rng: (state / "pins.json").write_bytes(
         (state / "pins.json").read_bytes()[:100]),
     "pins.json random bytes": lambda state, name, rng: (state / "pins.json").write_bytes(
         rng.randbytes(500)),
     "pins.json with a bad entry": lambda state, name, rng: _bad_entry(state / "pins.json"),
-    "stray snapshots, another model's kv dir": lambda state, name, rng: _strays(state, name),
+    "stray snapshots, another model's store": lambda state, name, rng: _strays(state, name),
 }
 
 

@@ -6,8 +6,8 @@ Invariant: this package imports only the standard library and xxhash.
 from __future__ import annotations
 
 from .block_pool import BlockPool, FreeBlockQueue, KVBlock, NoFreeBlocksError, PoolStats
-from .disk_store import DiskKVStore, DiskStoreStats, LoadJob
-from .hashing import BlockHash, hash_block, hash_blocks
+from .disk_store import DiskKVStore, DiskStoreStats, LoadJob, release_closed_pins
+from .hashing import BlockHash, hash_block, hash_blocks, hash_partial_block
 from .holders import (
     CONVERSATION,
     PIN,
@@ -86,5 +86,7 @@ __all__ = [
     "common_prefix_len",
     "hash_block",
     "hash_blocks",
+    "hash_partial_block",
+    "release_closed_pins",
     "pin_key",
 ]

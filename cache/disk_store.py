@@ -1,4 +1,4 @@
-"""A content-addressed store of KV blocks on disk: the tier under the pool.
+"""A content-addressed store of KV blocks on disk: the tier under the pool, and pins' KV.
 
 A block is stored under its chain hash (which already names the model fingerprint and the
 tenant's salt, :mod:`.hashing`) as one record appended to a segment file: a 64-byte header (magic,
@@ -21,6 +21,11 @@ Invariants:
   unused for ``KEEP_S`` (it counts as anonymous then), and an anonymous record never makes a kept
   segment leave (it is not written when only they could make room). A block stored anonymously
   and then asked for by a session is written again, kept; the index holds the kept copy.
+- A third class holds pins (``NNNNNNNN.pin.seg``, one segment or more a pin write,
+  ``put_pinned``): no budget applies to it and nothing evicts it (``clear`` neither); it leaves
+  only through ``release_pins``, once no pin the caller names needs a record in it (demoted to an
+  anonymous segment then, or deleted). A key's index entry names its copy of the highest class
+  (pinned, kept, anonymous), the newest among equals.
 - Every directory is 0700, every file 0600. ``store.json`` names the layout (its version, the
   block's byte size); a directory that disagrees is emptied at open, never read.
 
@@ -31,95 +36,39 @@ file I/O runs outside it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-import struct
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import xxhash
 
+from .disk_format import (
+    ANONYMOUS,
+    HEADER_BYTES,
+    KEEP_S,
+    KEPT,
+    PINNED,
+    SEGMENT_SUFFIX,
+    TAGS,
+    VERSION,
+    DiskStoreStats,
+    LoadJob,
+    Location,
+    Segment,
+    fsync_dir,
+    make_header,
+    parse_header,
+    release_closed_pins,
+    write_private,
+)
 from .hashing import BlockHash
 
-MAGIC = b"AKVB"
-VERSION = 1
-HEADER_BYTES = 64
-_HEADER = struct.Struct("<4sH2x16sQQ")  # magic, version, key, payload bytes, payload xxh3-64
-_SEGMENT_SUFFIX = ".seg"
-_KEEP_TAG = ".keep"
-KEEP_S = 24 * 3600.0  # a kept segment unused this long is kept no more
-
-
-@dataclass
-class _Segment:
-    seg_id: int
-    path: Path
-    fd: int
-    num_bytes: int
-    last_used: float  # wall clock, so that it means the same after a restart
-    users: int = 0  # reads and writes in flight outside the lock
-    dead: bool = False  # removed: its fd closes when the last user is done
-    keys: list[BlockHash] = field(default_factory=list)  # its records' (a key may be stale)
-    keep: bool = False  # a session's blocks: anonymous segments leave before it
-
-    def kept(self, now: float) -> bool:
-        """Whether it is still ahead of the anonymous segments in the eviction order."""
-        return self.keep and now - self.last_used < KEEP_S
-
-
-@dataclass(frozen=True)
-class _Location:
-    seg_id: int
-    offset: int  # of the payload
-    num_bytes: int
-    checksum: int
-    keep: bool = False  # in a kept segment
-
-
-@dataclass
-class LoadJob:
-    """Blocks of one waiting request to read from the store into its own new pool blocks."""
-
-    request_id: str
-    block_hashes: list[BlockHash]  # the chain's next blocks after the pool's hits
-    block_ids: list[int]  # where each goes (the request's, nothing else's)
-    num_pool_tokens: int  # tokens before them that the pool had
-    num_loaded: int = 0  # of block_hashes, from the first, verified and in the pool
-    elapsed_s: float = 0.0
-
-
-@dataclass(frozen=True)
-class DiskStoreStats:
-    num_blocks: int
-    num_bytes: int
-    budget_bytes: int
-    kept_bytes: int  # of num_bytes, in kept segments (sessions' blocks)
-    num_segments: int
-    oldest_use_s: float | None  # seconds since the least recently used segment's last use
-    num_written: int
-    num_read: int
-    num_rejected: int  # records that failed their checks and were dropped
-
-
-def _header(key: BlockHash, payload_bytes: int, checksum: int) -> bytes:
-    head = _HEADER.pack(MAGIC, VERSION, key, payload_bytes, checksum)
-    head += struct.pack("<Q", xxhash.xxh3_64_intdigest(head))
-    return head + bytes(HEADER_BYTES - len(head))
-
-
-def _parse_header(data: bytes) -> tuple[BlockHash, int, int] | None:
-    """(key, payload bytes, payload checksum) of a header that verifies, else None."""
-    if len(data) != HEADER_BYTES:
-        return None
-    size = _HEADER.size
-    magic, version, key, payload_bytes, checksum = _HEADER.unpack_from(data)
-    (own,) = struct.unpack_from("<Q", data, size)
-    if magic != MAGIC or version != VERSION or own != xxhash.xxh3_64_intdigest(data[:size]):
-        return None
-    return key, payload_bytes, checksum
+__all__ = ["HEADER_BYTES", "KEEP_S", "DiskKVStore", "DiskStoreStats", "LoadJob",
+           "release_closed_pins"]
 
 
 class DiskKVStore:
@@ -145,9 +94,9 @@ class DiskKVStore:
         default = max(budget_bytes // 16, 4 * self.record_bytes)
         self.segment_bytes = max(segment_bytes or min(default, 256 * 2**20), self.record_bytes)
         self._lock = threading.Lock()
-        self._index: dict[BlockHash, _Location] = {}
-        self._segments: dict[int, _Segment] = {}
-        self._active: dict[bool, _Segment] = {}  # the segment each class appends to
+        self._index: dict[BlockHash, Location] = {}
+        self._segments: dict[int, Segment] = {}
+        self._active: dict[int, Segment] = {}  # the segment each class appends to
         self.num_written = self.num_read = self.num_rejected = 0
         # told the keys that enter and leave the store (KV events, medium DISK); set after open
         self.on_stored: Callable[[list[BlockHash]], None] | None = None
@@ -156,7 +105,10 @@ class DiskKVStore:
 
     # --- open --------------------------------------------------------------------------------
     def _open(self) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        missing = [d for d in (self.directory, *self.directory.parents) if not d.exists()]
+        for directory in reversed(missing):  # the ones it makes, private (a parent's too)
+            directory.mkdir(mode=0o700, exist_ok=True)
+            os.chmod(directory, 0o700)
         os.chmod(self.directory, 0o700)
         layout = {"version": VERSION, "block_bytes": self.block_bytes}
         meta = self.directory / "store.json"
@@ -166,45 +118,45 @@ class DiskKVStore:
             same = False
         if not same:
             self._clear_files()
-            _write_private(meta, json.dumps(layout).encode())
+            write_private(meta, json.dumps(layout).encode())
         uses = self._read_lru()
         found = []
-        for path in self.directory.glob(f"*{_SEGMENT_SUFFIX}"):
-            stem = path.name[:-len(_SEGMENT_SUFFIX)]
-            keep = stem.endswith(_KEEP_TAG)
+        for path in self.directory.glob(f"*{SEGMENT_SUFFIX}"):
+            stem = path.name[:-len(SEGMENT_SUFFIX)]
+            rank = next((r for r, tag in TAGS.items() if tag and stem.endswith(tag)), ANONYMOUS)
             try:
-                found.append((int(stem.removesuffix(_KEEP_TAG)), keep, path))
+                found.append((int(stem.removesuffix(TAGS[rank])), rank, path))
             except ValueError:
                 continue
-        for seg_id, keep, path in sorted(found):
-            self._scan(seg_id, path, uses.get(path.name), keep)
+        for seg_id, rank, path in sorted(found):
+            self._scan(seg_id, path, uses.get(path.name), rank)
         self._evict_to(self.budget_bytes, keep=True)
 
-    def _scan(self, seg_id: int, path: Path, last_used: float | None, keep: bool) -> None:
+    def _scan(self, seg_id: int, path: Path, last_used: float | None, rank: int) -> None:
         """Index a segment's records, cutting it at the first that does not verify."""
         fd = os.open(path, os.O_RDWR)
         size = os.fstat(fd).st_size
         offset = 0
         keys: list[BlockHash] = []
         while offset + HEADER_BYTES <= size:
-            parsed = _parse_header(os.pread(fd, HEADER_BYTES, offset))
+            parsed = parse_header(os.pread(fd, HEADER_BYTES, offset))
             if parsed is None or parsed[1] != self.block_bytes:
                 break
             key, payload_bytes, checksum = parsed
             if offset + HEADER_BYTES + payload_bytes > size:
                 break  # torn: its writer died mid-record
             known = self._index.get(key)
-            if known is None or keep or not known.keep:  # a kept copy wins, else the newest
-                self._index[key] = _Location(seg_id, offset + HEADER_BYTES, payload_bytes,
-                                             checksum, keep)
+            if known is None or rank >= known.rank:  # the highest class wins, else the newest
+                self._index[key] = Location(seg_id, offset + HEADER_BYTES, payload_bytes,
+                                             checksum, rank)
             keys.append(key)
             offset += HEADER_BYTES + payload_bytes
         if offset < size:
             os.ftruncate(fd, offset)
         if last_used is None:
             last_used = os.fstat(fd).st_mtime
-        self._segments[seg_id] = _Segment(seg_id, path, fd, offset, last_used, keys=keys,
-                                          keep=keep)
+        self._segments[seg_id] = Segment(seg_id, path, fd, offset, last_used, keys=keys,
+                                          rank=rank)
 
     def _read_lru(self) -> dict[str, float]:
         try:
@@ -230,7 +182,7 @@ class DiskKVStore:
         """Whether the store has ``key`` (kept, where ``keep``: an anonymous copy does not
         count then)."""
         location = self._index.get(key)
-        return location is not None and (location.keep or not keep)
+        return location is not None and location.rank >= (KEPT if keep else ANONYMOUS)
 
     def __len__(self) -> int:
         return len(self._index)
@@ -246,15 +198,24 @@ class DiskKVStore:
 
     @property
     def num_bytes(self) -> int:
-        return sum(seg.num_bytes for seg in self._segments.values())
+        """Bytes within the budget: every segment but the pinned ones."""
+        return sum(seg.num_bytes for seg in self._segments.values() if seg.rank != PINNED)
+
+    def all_pinned(self, keys: Iterable[BlockHash]) -> bool:
+        """Whether every key of ``keys`` has a pinned copy."""
+        with self._lock:
+            return all((loc := self._index.get(key)) is not None and loc.rank == PINNED
+                       for key in keys)
 
     def stats(self) -> DiskStoreStats:
         with self._lock:
-            segments = list(self._segments.values())
+            pinned = [seg for seg in self._segments.values() if seg.rank == PINNED]
+            segments = [seg for seg in self._segments.values() if seg.rank != PINNED]
             oldest = min((seg.last_used for seg in segments), default=None)
             return DiskStoreStats(
                 len(self._index), sum(seg.num_bytes for seg in segments), self.budget_bytes,
-                sum(seg.num_bytes for seg in segments if seg.keep), len(segments),
+                sum(seg.num_bytes for seg in segments if seg.keep),
+                sum(seg.num_bytes for seg in pinned), len(segments),
                 None if oldest is None else max(0.0, time.time() - oldest),
                 self.num_written, self.num_read, self.num_rejected)
 
@@ -277,11 +238,12 @@ class DiskKVStore:
         with self._lock:
             if not self._evict_to(self.budget_bytes - self.record_bytes, keep):
                 return False  # only kept segments could make room, and this one is not kept
-            segment = self._writable(keep)
+            rank = KEPT if keep else ANONYMOUS
+            segment = self._writable(rank)
             offset = segment.num_bytes
             segment.users += 1
         try:
-            buffers = [_header(key, self.block_bytes, checksum), *pieces]
+            buffers = [make_header(key, self.block_bytes, checksum), *pieces]
             written = os.pwritev(segment.fd, buffers, offset)
             if written != self.record_bytes:  # a short write: the disk is full
                 os.ftruncate(segment.fd, offset)
@@ -294,35 +256,122 @@ class DiskKVStore:
             segment.num_bytes = offset + self.record_bytes
             segment.last_used = time.time()
             segment.keys.append(key)
-            new = key not in self._index  # else a kept copy of a stored block
-            self._index[key] = _Location(segment.seg_id, offset + HEADER_BYTES,
-                                         self.block_bytes, checksum, keep)
+            known = self._index.get(key)  # else a kept copy of a stored block
+            if known is None or known.rank <= rank:
+                self._index[key] = Location(segment.seg_id, offset + HEADER_BYTES,
+                                             self.block_bytes, checksum, rank)
             self.num_written += 1
-            if new and self.on_stored is not None:
+            if known is None and self.on_stored is not None:
                 self.on_stored([key])
         return True
 
-    def _writable(self, keep: bool) -> _Segment:
+    def put_pinned(self, records: Iterable[tuple[BlockHash, Iterable[memoryview | bytes]]]
+                   ) -> int:
+        """Append a pin's records (key, payload in pieces) to a pinned segment of their own,
+        outside the budget, then flush it to the disk (fsync); each is in the index once its
+        bytes are written, in place of any older copy (so a copy that went bad is replaced, not
+        trusted). Returns how many were written; raises OSError when the disk refuses (the
+        records written before stay)."""
+        segment = None
+        num_written = 0
+        try:
+            for key, payload in records:
+                pieces = [memoryview(p).cast("B") for p in payload]
+                if sum(len(p) for p in pieces) != self.block_bytes:
+                    raise ValueError(f"a block is {self.block_bytes} bytes, got "
+                                     f"{sum(len(p) for p in pieces)}")
+                digest = xxhash.xxh3_64()
+                for piece in pieces:
+                    digest.update(piece)
+                checksum = digest.intdigest()
+                with self._lock:
+                    if segment is None:
+                        segment = self._new_segment(PINNED)
+                    offset = segment.num_bytes
+                    segment.users += 1
+                try:
+                    written = os.pwritev(segment.fd, [make_header(key, self.block_bytes, checksum),
+                                                      *pieces], offset)
+                    if written != self.record_bytes:
+                        os.ftruncate(segment.fd, offset)
+                        raise OSError(f"wrote {written} of {self.record_bytes} bytes of a KV "
+                                      "block")
+                finally:
+                    self._release(segment)
+                with self._lock:
+                    if segment.dead:
+                        raise OSError("the pinned segment was removed while it was written")
+                    segment.num_bytes = offset + self.record_bytes
+                    segment.last_used = time.time()
+                    segment.keys.append(key)
+                    known = self._index.get(key)
+                    self._index[key] = Location(segment.seg_id, offset + HEADER_BYTES,
+                                                 self.block_bytes, checksum, PINNED)
+                    self.num_written += 1
+                    num_written += 1
+                    if known is None and self.on_stored is not None:
+                        self.on_stored([key])
+            if segment is not None:
+                os.fsync(segment.fd)
+                fsync_dir(self.directory)
+        finally:
+            if segment is not None and segment.num_bytes == 0:
+                with self._lock:
+                    if not segment.dead:
+                        self._remove(segment)
+        return num_written
+
+    def release_pins(self, needed: Iterable[BlockHash], demote: bool = True) -> int:
+        """Let go of the pinned segments in which no key of ``needed`` has its indexed copy:
+        each becomes an anonymous segment (``demote``: its blocks then leave by LRU, as an
+        unpinned prefix's do in the pool) or is deleted. Returns how many segments went."""
+        needed = set(needed)
+        released = 0
+        with self._lock:
+            for segment in [s for s in self._segments.values() if s.rank == PINNED]:
+                if any(key in needed and (loc := self._index.get(key)) is not None
+                       and loc.seg_id == segment.seg_id for key in segment.keys):
+                    continue
+                released += 1
+                if not demote:
+                    self._remove(segment)
+                    continue
+                path = self.directory / f"{segment.seg_id:08d}{SEGMENT_SUFFIX}"
+                os.replace(segment.path, path)
+                segment.path, segment.rank, segment.last_used = path, ANONYMOUS, time.time()
+                for key in segment.keys:
+                    location = self._index.get(key)
+                    if location is not None and location.seg_id == segment.seg_id:
+                        self._index[key] = dataclasses.replace(location, rank=ANONYMOUS)
+            if released and demote:
+                self._evict_to(self.budget_bytes, keep=True)
+        return released
+
+    def _writable(self, rank: int) -> Segment:
         """The segment the next record of its class goes to (under the lock; only the writer
         appends)."""
-        active = self._active.get(keep)
+        active = self._active.get(rank)
         if active is None or active.dead or active.num_bytes + self.record_bytes > \
                 self.segment_bytes:
-            seg_id = max(self._segments, default=0) + 1
-            tag = _KEEP_TAG if keep else ""
-            path = self.directory / f"{seg_id:08d}{tag}{_SEGMENT_SUFFIX}"
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-            active = self._active[keep] = _Segment(seg_id, path, fd, 0, time.time(), keep=keep)
-            self._segments[seg_id] = active
+            active = self._active[rank] = self._new_segment(rank)
         return active
+
+    def _new_segment(self, rank: int) -> Segment:
+        """A new empty segment file of class ``rank`` (under the lock)."""
+        seg_id = max(self._segments, default=0) + 1
+        path = self.directory / f"{seg_id:08d}{TAGS[rank]}{SEGMENT_SUFFIX}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        segment = self._segments[seg_id] = Segment(seg_id, path, fd, 0, time.time(), rank=rank)
+        return segment
 
     def _evict_to(self, limit_bytes: int, keep: bool) -> bool:
         """Remove segments, anonymous ones first, each class least recently used first, until
         the store holds at most ``limit_bytes`` (under the lock); kept segments only where
         ``keep``. Whether it holds that little now."""
-        total = sum(seg.num_bytes for seg in self._segments.values())
+        unpinned = [seg for seg in self._segments.values() if seg.rank != PINNED]
+        total = sum(seg.num_bytes for seg in unpinned)
         now = time.time()
-        order = sorted(self._segments.values(), key=lambda s: (s.kept(now), s.last_used))
+        order = sorted(unpinned, key=lambda s: (s.kept(now), s.last_used))
         for segment in order:
             if total <= limit_bytes:
                 break
@@ -332,7 +381,7 @@ class DiskKVStore:
             self._remove(segment)
         return total <= limit_bytes
 
-    def _remove(self, segment: _Segment) -> None:
+    def _remove(self, segment: Segment) -> None:
         del self._segments[segment.seg_id]
         removed = []
         for key in segment.keys:
@@ -344,8 +393,8 @@ class DiskKVStore:
             self.on_removed(removed)
         segment.path.unlink(missing_ok=True)
         segment.dead = True
-        if self._active.get(segment.keep) is segment:
-            del self._active[segment.keep]
+        if self._active.get(segment.rank) is segment:
+            del self._active[segment.rank]
         if segment.users == 0:
             os.close(segment.fd)
 
@@ -374,7 +423,7 @@ class DiskKVStore:
         digest = xxhash.xxh3_64()
         for piece in pieces:
             digest.update(piece)
-        if (_parse_header(head) != (key, self.block_bytes, location.checksum)
+        if (parse_header(head) != (key, self.block_bytes, location.checksum)
                 or num_read != self.block_bytes or digest.intdigest() != location.checksum):
             self._reject(key, location)
             return False
@@ -383,13 +432,13 @@ class DiskKVStore:
             self.num_read += 1
         return True
 
-    def _release(self, segment: _Segment) -> None:
+    def _release(self, segment: Segment) -> None:
         with self._lock:
             segment.users -= 1
             if segment.dead and segment.users == 0:
                 os.close(segment.fd)
 
-    def _reject(self, key: BlockHash, location: _Location) -> None:
+    def _reject(self, key: BlockHash, location: Location) -> None:
         with self._lock:
             if self._index.get(key) == location:
                 del self._index[key]
@@ -402,15 +451,16 @@ class DiskKVStore:
         """Write each segment's last use to ``lru.json`` (atomically), for the next start."""
         with self._lock:
             uses = {seg.path.name: seg.last_used for seg in self._segments.values()}
-        _write_private(self.directory / "lru.json", json.dumps(uses).encode())
+        write_private(self.directory / "lru.json", json.dumps(uses).encode())
 
     def clear(self) -> int:
-        """Remove every block; returns how many there were."""
+        """Remove every block but the pinned ones; returns how many there were."""
         with self._lock:
             num_blocks = len(self._index)
             for segment in list(self._segments.values()):
-                self._remove(segment)
-        return num_blocks
+                if segment.rank != PINNED:
+                    self._remove(segment)
+            return num_blocks - len(self._index)
 
     def close(self) -> None:
         self.save_lru()
@@ -419,12 +469,3 @@ class DiskKVStore:
                 if segment.users == 0 and not segment.dead:
                     os.close(segment.fd)
                     segment.dead = True
-
-
-def _write_private(path: Path, data: bytes) -> None:
-    """Write ``path`` (0600) through a temp file and a rename."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)

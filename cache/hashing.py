@@ -79,3 +79,25 @@ def hash_blocks(
         parent = hash_block(parent, token_ids[start : start + block_size], extra)
         block_hashes.append(parent)
     return block_hashes
+
+
+def hash_partial_block(
+    token_ids: Sequence[int],
+    block_size: int,
+    extra_key: bytes = b"",
+    cache_salt: str | None = None,
+    parent: BlockHash | None = None,
+) -> BlockHash | None:
+    """The key of a sequence's last, partial block (a pin's tail), or None when it has none.
+
+    Never a prefix-cache key: those name full blocks only. It hashes like the next block of the
+    chain (``parent`` = the hash of the last full block) with a tag after the token ids, which no
+    full block's bytes can spell: a token id's high byte is zero below 2**24, the tag's fourth
+    byte is not.
+    """
+    num_full = len(token_ids) // block_size * block_size
+    if num_full == len(token_ids):
+        return None
+    block_index = num_full // block_size
+    extra = b"\x02partial" + _block_extra(extra_key, cache_salt, block_index)
+    return hash_block(parent, token_ids[num_full:], extra)

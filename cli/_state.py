@@ -34,7 +34,8 @@ def default_state_dir() -> Path:
 state_dir_option = click.option(
     "--state-dir", envvar=STATE_DIR_ENVVAR, show_envvar=True, default=None,
     type=click.Path(file_okay=False, path_type=Path),
-    help="Directory for the pid file, log, daemon.json and pins (pins.json, KV snapshots) "
+    help="Directory for the pid file, log, daemon.json, pins (pins.json) and the KV block "
+         "store (kv-store/: the disk tier's blocks and pins' KV) "
          "[default: $XDG_STATE_HOME/agentd or ~/.local/state/agentd].",
 )
 

@@ -143,7 +143,8 @@ def _option(name: str, **kwargs: Any) -> Any:
          help="Most bytes the KV disk tier holds, e.g. 20GiB; least recently used blocks leave "
               "first [default: a quarter of the disk space free at start, at most 100GiB].")
 @_option("--no-kv-disk", is_flag=True,
-         help="Keep KV blocks in memory only (the pool; pins keep their own snapshots).")
+         help="Turn the KV disk tier off: prompt blocks stay in the pool only (pins' KV still "
+              "persists in the state dir's kv-store/).")
 @_option("--no-jump-forward", is_flag=True,
          help="Decode every token of a constrained output, even where the grammar allows only "
               "one continuation (by default such text is appended without a step each).")

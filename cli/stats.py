@@ -124,6 +124,10 @@ def _overview(s: dict[str, Any]) -> Any:
     return table
 
 
+def _pinned(num_bytes: int) -> str:
+    return f" + {num_bytes / 2**20:.1f} MiB of pins' blocks" if num_bytes else ""
+
+
 def _disk(disk: dict[str, Any], markup: bool = True) -> str:
     """The KV disk tier in one line: size against budget, traffic, trouble (``markup``: rich's
     colour for stopped writes)."""
@@ -131,6 +135,7 @@ def _disk(disk: dict[str, Any], markup: bool = True) -> str:
     line = (f"{disk['num_blocks']} blocks, {disk['num_bytes'] / 2**30:.2f} of "
             f"{disk['budget_bytes'] / 2**30:.1f} GiB"
             f" ({disk.get('kept_bytes', 0) / 2**30:.2f} GiB sessions')"
+            f"{_pinned(disk.get('pinned_bytes', 0))}"
             f"{f', oldest used {format_duration(oldest)} ago' if oldest is not None else ''}; "
             f"{disk['num_blocks_written']} written, {disk['num_blocks_read']} read back "
             f"({disk['num_loads']} loads, {disk['load_s']:.2f} s); {disk['directory']}")
@@ -247,8 +252,8 @@ def _restore(report: list[dict[str, Any]]) -> Any:
             continue
         prefill = entry.get("prefill_s")
         source = entry["source"]
-        if entry.get("snapshot_error"):  # the snapshot was there but unusable
-            source += f" (snapshot unusable: {escape(entry['snapshot_error'])})"
+        if entry.get("kv_error"):  # the stored KV was there but unusable
+            source += f" (stored KV unusable: {escape(entry['kv_error'])})"
         table.add_row(entry["name"], source, str(entry["num_tokens"]),
                       f"{entry['elapsed_s']:.3f} s", "-" if prefill is None else f"{prefill:.3f} s")
     return table

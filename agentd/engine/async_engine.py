@@ -17,14 +17,15 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
-from agentd.cache import REQUEST, Pin, PinKey, blocks_digest
+from agentd.cache import REQUEST, BlockHash, DiskKVStore, Pin, PinKey, blocks_digest
 from agentd.config import EngineConfig
 from agentd.engine.llm_engine import EngineStats, LLMEngine
 from agentd.engine.outputs import StreamDelta
@@ -279,6 +280,19 @@ class AsyncEngine:
         shape, dtype = await self.call(lambda e: e.pin_snapshot_shape(key))
         buffer = await asyncio.to_thread(torch.zeros, shape, dtype=dtype)  # touch its pages
         return await self.call(lambda e: e.gather_pin_snapshot(key, buffer))
+
+    def pin_store(self, state_dir: Path) -> DiskKVStore:
+        """See ``LLMEngine.pin_store`` (it may open files: call it from a worker thread)."""
+        return self.engine.pin_store(state_dir)
+
+    def pin_record_keys(self, token_ids: Sequence[int], cache_salt: str | None
+                        ) -> list[BlockHash]:
+        """See ``LLMEngine.pin_record_keys`` (a pure function of its arguments: any thread)."""
+        return self.engine.pin_record_keys(token_ids, cache_salt)
+
+    def kv_block_layout(self) -> tuple[int, tuple[int, ...], torch.dtype]:
+        """See ``LLMEngine.kv_block_layout`` (fixed at start: any thread)."""
+        return self.engine.kv_block_layout()
 
     def abort(self, request_id: str) -> None:
         self._commands.put(lambda: self.engine.abort_request(request_id))

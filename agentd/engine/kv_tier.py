@@ -60,6 +60,7 @@ class DiskTierStats:
     num_bytes: int
     budget_bytes: int
     kept_bytes: int  # of num_bytes, sessions' blocks (kept over anonymous prefixes)
+    pinned_bytes: int  # pins' blocks, beside num_bytes (outside the budget)
     oldest_use_s: float | None
     num_blocks_written: int
     num_blocks_read: int
@@ -258,9 +259,9 @@ class DiskTier:
         store = self.store.stats()
         return DiskTierStats(
             str(self.store.directory), store.num_blocks, store.num_bytes, store.budget_bytes,
-            store.kept_bytes, store.oldest_use_s, store.num_written, store.num_read,
-            store.num_rejected, self.num_writes_dropped, self.num_writes_retried,
-            len(self._queued), self.num_loads,
+            store.kept_bytes, store.pinned_bytes, store.oldest_use_s, store.num_written,
+            store.num_read, store.num_rejected, self.num_writes_dropped,
+            self.num_writes_retried, len(self._queued), self.num_loads,
             self.load_s, self.writes_stopped)
 
     def clear(self) -> int:
@@ -296,8 +297,7 @@ def open_disk_tier(directory: str | None, budget_bytes: int | None, fingerprint:
         return NULL_DISK_TIER
     root = Path(directory).expanduser()
     budget = default_budget(root) if budget_bytes is None else budget_bytes
-    block_bytes = sum(layer[0].numel() * layer.element_size() for layer in kv_caches)
-    store = DiskKVStore(root / f"{fingerprint}-b{block_size}", block_bytes, budget)
+    store = open_store(root, fingerprint, block_size, kv_caches, budget)
     tier = DiskTier(store, kv_caches)
     stats = store.stats()
     logger.info("KV disk tier: %s, %d blocks (%.1f MiB) stored, budget %.1f GiB%s",
@@ -305,3 +305,12 @@ def open_disk_tier(directory: str | None, budget_bytes: int | None, fingerprint:
                 "" if budget_bytes is not None else
                 " (a quarter of the free disk, at most 100 GiB)")
     return tier
+
+
+def open_store(root: Path, fingerprint: str, block_size: int, kv_caches: list[torch.Tensor],
+               budget_bytes: int | None = None) -> DiskKVStore:
+    """The block store of this model's pool under ``root`` (one directory per fingerprint and
+    block size); its budget a quarter of the free disk unless given."""
+    budget = default_budget(root) if budget_bytes is None else budget_bytes
+    block_bytes = sum(layer[0].numel() * layer.element_size() for layer in kv_caches)
+    return DiskKVStore(root / f"{fingerprint}-b{block_size}", block_bytes, budget)

@@ -19,13 +19,27 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 
-from agentd.cache import KVCacheManager, Pin, PinCounts, PinKey, PoolStats
+from agentd.cache import (
+    BlockHash,
+    DiskKVStore,
+    KVCacheManager,
+    Pin,
+    PinCounts,
+    PinKey,
+    PoolStats,
+    hash_blocks,
+    hash_partial_block,
+)
 from agentd.config import EngineConfig
 from agentd.engine.conversation_tails import TailKeeper
 from agentd.engine.free_memory import free_memory
@@ -40,7 +54,7 @@ from agentd.engine.kv_sizing import (
     plan_pool,
     resolve_kv_dtype,
 )
-from agentd.engine.kv_tier import DiskTierStats, open_disk_tier
+from agentd.engine.kv_tier import DiskTierStats, open_disk_tier, open_store
 from agentd.engine.model_runner import ModelRunner
 from agentd.engine.output_processor import OutputProcessor
 from agentd.engine.outputs import StreamDelta
@@ -196,9 +210,12 @@ class LLMEngine:
         self.disk = open_disk_tier(config.kv_disk_dir, config.kv_disk_budget_bytes,
                                    self.fingerprint, config.block_size, self.runner.kv_caches,
                                    config.enable_prefix_caching)
+        self._pin_stores: dict[Path, DiskKVStore] = {}  # pins' own, when the tier is off
+        self._pin_store_lock = threading.Lock()
         if self.disk.enabled:
             self.kv_cache.on_cached = self.disk.stage
             self.kv_cache.pool.on_evicted = self.disk.restage  # a dropped write's last chance
+            self.retention.on_held = partial(self.disk.stage, keep=True)  # kept for their TTL
             if isinstance(self.kv_events, KVEventPublisher):
                 self.disk.publish(self.kv_events)
         self.scheduler = Scheduler(self.kv_cache, config.max_num_seqs,
@@ -325,6 +342,37 @@ class LLMEngine:
         if isinstance(self.kv_events, KVEventPublisher):
             self.kv_events.close()
         self.disk.close()
+        for store in self._pin_stores.values():
+            store.close()
+
+    # --- pins' KV on disk (any thread) -----------------------------------------------------
+    def pin_store(self, state_dir: Path) -> DiskKVStore:
+        """The block store pins keep their KV in: the disk tier's when it is on, else one of
+        their own at ``state_dir/kv-store`` (opened once a state dir), so pins persist without
+        the tier."""
+        if self.disk.enabled:
+            return self.disk.store
+        root = Path(state_dir).absolute() / "kv-store"
+        with self._pin_store_lock:
+            if root not in self._pin_stores:
+                self._pin_stores[root] = open_store(root, self.fingerprint,
+                                                    self.config.block_size, self.runner.kv_caches)
+            return self._pin_stores[root]
+
+    def pin_record_keys(self, token_ids: Sequence[int], cache_salt: str | None
+                        ) -> list[BlockHash]:
+        """The store keys of a pin's KV: its full blocks' chain hashes (the pool's), then its
+        tail's (``hash_partial_block``) when it has one."""
+        block_size = self.config.block_size
+        keys = hash_blocks(token_ids, block_size, self.kv_cache.extra_key, cache_salt)
+        tail = hash_partial_block(token_ids, block_size, self.kv_cache.extra_key, cache_salt,
+                                  keys[-1] if keys else None)
+        return keys + ([tail] if tail is not None else [])
+
+    def kv_block_layout(self) -> tuple[int, tuple[int, ...], torch.dtype]:
+        """(layers, one block's shape in a layer [2, block size, Hkv, D], the pool's dtype)."""
+        first = self.runner.kv_caches[0]
+        return len(self.runner.kv_caches), tuple(first.shape[1:]), first.dtype
 
     # --- the step --------------------------------------------------------------------------
     def has_unfinished_requests(self) -> bool:

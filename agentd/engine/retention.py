@@ -12,7 +12,7 @@ restart forgets them, as Anthropic's cache does — while pins are saved.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from agentd.cache import BlockHash, KVCacheManager, PinRegistry
@@ -56,6 +56,9 @@ class RetentionManager(RequestHooks):
         self.registry = registry
         self.tokenizer = tokenizer
         self.num_expired = 0
+        # told (block ids, hashes) of each prefix held: the disk tier keeps them over anonymous
+        # prefixes (its kept class), so a retained prefix outlives churn on disk for its TTL
+        self.on_held: Callable[[list[int], list[BlockHash]], None] | None = None
 
     def computed(self, request: Request, item: ScheduledRequest) -> None:
         """A request whose held prefix (``request.retention``) is now computed gets it
@@ -100,6 +103,8 @@ class RetentionManager(RequestHooks):
                                       "" if existing else self._preview(token_ids, end))
         if prefix is None:
             return None
+        if self.on_held is not None:
+            self.on_held(list(cached.block_ids[:num_held]), list(cached.block_hashes[:num_held]))
         return Retained(end, num_held, prefix.expires_s - now, new=existing is None)
 
     def admitted(self, request: Request) -> None:

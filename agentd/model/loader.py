@@ -376,7 +376,7 @@ def model_fingerprint(
     Hashes the config, the tokenizer's vocab size, chat template and special token ids, the
     dtype, and the weights' contents (``weights_digest`` of the safetensors, or of the .gguf
     served as it ships: a fine-tune with the same shapes gets another fingerprint, so it never
-    restores this model's KV snapshots).
+    restores this model's stored KV).
     """
     config_dict = {
         key: value

@@ -1,6 +1,7 @@
-"""Engine-side pins: prefill a named prefix (or restore it from a snapshot), hold its blocks,
-credit hits and record near misses (:mod:`agentd.pins.near_miss`), and copy the pins' numbers for
-observers. Snapshots' KV and files are :mod:`agentd.pins.snapshots`.
+"""Engine-side pins: prefill a named prefix (or restore its stored KV), hold its blocks, credit
+hits and record near misses (:mod:`agentd.pins.near_miss`), and copy the pins' numbers for
+observers. A pin's KV out of and into the pool is :mod:`agentd.pins.snapshots`; on disk,
+:mod:`agentd.pins.stored_kv`.
 
 Runs on the engine thread only. Invariants: a pin is registered only after every one of its
 blocks holds computed KV; a pin lives in its owner's name space and is hashed with its owner's

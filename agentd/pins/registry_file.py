@@ -1,5 +1,5 @@
 """Pins on disk: the registry (``pins.json``, its backup), file permissions and atomic writes in
-the state dir (the KV snapshots' files are :mod:`agentd.pins.snapshots`').
+the state dir (pins' KV is in the block store: :mod:`agentd.pins.stored_kv`).
 
 Invariants:
 - ``pins.json`` is always a complete document: written to a temp file, fsynced, renamed over the
@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from agentd.cache.disk_format import fsync_dir
 from agentd.config import parse_duration
 
 logger = logging.getLogger("agentd")
@@ -82,28 +83,20 @@ def private_dir(path: Path, root: Path | None = None) -> Path:
 
 def tighten(state_dir: Path) -> None:
     """Make what older versions wrote world-readable private: the state dir, the registry
-    files and the whole ``kv`` tree."""
+    files, the whole ``kv`` tree (older versions' snapshots) and the block store's."""
     if not state_dir.is_dir():
         return
     os.chmod(state_dir, 0o700)
     paths = [state_dir / n for n in (REGISTRY_FILE, BACKUP_FILE, REJECTED_FILE)]
-    kv = state_dir / "kv"
-    if kv.is_dir():
-        paths.append(kv)
-        paths += kv.rglob("*")
+    for tree in (state_dir / "kv", state_dir / "kv-store"):
+        if tree.is_dir():
+            paths.append(tree)
+            paths += tree.rglob("*")
     for path in paths:
         if path.is_dir() and not path.is_symlink():
             os.chmod(path, 0o700)
         elif path.is_file() and not path.is_symlink():
             os.chmod(path, 0o600)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_atomic(path: Path, write: Callable[[IO[bytes]], None]) -> None:

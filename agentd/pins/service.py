@@ -1,18 +1,20 @@
 """Pins as the daemon offers them: template-aware token selection, tenant name spaces, the
-persisted registry and KV snapshots (their files: :mod:`agentd.pins.registry_file`,
-:mod:`agentd.pins.snapshots`).
+persisted registry (:mod:`agentd.pins.registry_file`) and the pins' KV in the block store
+(:mod:`agentd.pins.stored_kv`), migrated from the KV snapshot files of older versions
+(:mod:`agentd.pins.snapshots`).
 
 Invariants: a pin is rendered and tokenised in a worker thread (never on the event loop); a
 pin is reported registered only once its blocks are pinned in the engine and ``pins.json``
 lists it, and unpinned only once ``pins.json`` no longer does: when the registry cannot be
 written (a full or unwritable state dir) the call raises ``PinStorageError`` (507) and nothing
 changes, in the engine or on disk; a pin that decays is dropped from ``pins.json`` at the next
-write that succeeds (each later sync retries a failed one); a
-snapshot is only reused when its checksum, model fingerprint, block size, cache salt and token ids
-all match, otherwise the pin is recomputed and the report says why; a pin listed in ``pins.json``
-stays listed there until it is unpinned or decays, even when a start could not restore it; a
-snapshot's KV is gathered on the engine thread and written from a worker thread, so no step
-waits on the disk.
+write that succeeds (each later sync retries a failed one); a pin's stored KV is only reused when
+every record of it is in the store (keyed by model fingerprint, KV dtype, block size, cache salt
+and tokens) and matches its checksum, otherwise the pin is recomputed and the report says why; a
+pin listed in ``pins.json`` stays listed there until it is unpinned or decays, even when a start
+could not restore it, and its records stay pinned in the store meanwhile; a pin's KV is gathered
+on the engine thread and written from a worker thread, so no step waits on the disk; an older
+version's snapshot is read once (the same checks as ever), written into the store, then removed.
 """
 
 from __future__ import annotations
@@ -24,7 +26,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agentd.cache import PinError, PinKey, PinNotFoundError, common_prefix_len, pin_key
+from agentd.cache import (
+    BlockHash,
+    DiskKVStore,
+    PinError,
+    PinKey,
+    PinNotFoundError,
+    common_prefix_len,
+    pin_key,
+    release_closed_pins,
+)
 from agentd.chat import render_chat
 from agentd.engine.async_engine import AsyncEngine
 from agentd.pins import registry_file as pin_store
@@ -33,6 +44,7 @@ from agentd.pins.manager import tenant_salt
 from agentd.pins.pin_request import PinRequest
 from agentd.pins.registry_file import REGISTRY_FILE, PinSpec
 from agentd.pins.snapshots import SnapshotError, SnapshotMismatch
+from agentd.pins.stored_kv import StoredKVError, read_pin_kv, write_pin_kv
 
 logger = logging.getLogger("agentd")
 _PROBE_MESSAGES = ("Hello", "1", "{", " x", "Wie geht's?")  # varied first characters
@@ -76,13 +88,19 @@ class PinService:
         self.registry_behind = False  # the last write of pins.json failed: retry it
         self.restore_report: list[dict[str, Any]] = []
         self._registry_ok = False  # pins.json on disk is a good registry, worth a backup
-        self._files = threading.Lock()  # snapshot writes vs deletes (worker threads)
+        self._files = threading.Lock()  # store writes vs releases (worker threads)
+        # each registered pin's records in the store (restored or not): what stays pinned there
+        self._stored: dict[PinKey, list[BlockHash]] = {}
+        self._store: DiskKVStore | None = None
+        self._restoring = False  # restore_all is running
+        self._unmigrated: set[PinKey] = set()  # restored from a snapshot the store did not take
 
     @property
     def block_size(self) -> int:
         return self.engine.block_size
 
     def _snapshot_path(self, key: PinKey) -> Path | None:
+        """Where an older version kept the pin's KV snapshot (read once, to migrate it)."""
         if self.state_dir is None:
             return None
         return pin_snapshots.snapshot_path(self.state_dir, self.engine.fingerprint,
@@ -114,13 +132,14 @@ class PinService:
                     self.unrestored[key] = listed
                 await self.engine.unpin(key)
                 raise
-            await self._snapshot(spec)
+            await self._store_kv(spec)
         return {**self.describe(result.pin), "prefill_s": result.elapsed_s, "restored": False}
 
-    def _request(self, spec: PinSpec) -> PinRequest:
-        """What the engine pins for ``spec``; PinTooLongError when it does not fit the
-        context."""
-        token_ids = pin_token_ids(self.engine.tokenizer, spec.system, spec.tools)
+    def _request(self, spec: PinSpec, token_ids: list[int] | None = None) -> PinRequest:
+        """What the engine pins for ``spec`` (its ``token_ids`` when known); PinTooLongError
+        when it does not fit the context."""
+        if token_ids is None:
+            token_ids = pin_token_ids(self.engine.tokenizer, spec.system, spec.tools)
         if len(token_ids) >= self.engine.max_model_len:
             raise PinTooLongError(
                 f"pin {spec.name!r} is {len(token_ids)} tokens but the context (max_model_len) "
@@ -142,9 +161,11 @@ class PinService:
                 self.specs[key] = spec
             raise
         await self.engine.unpin(key)
+        self._stored.pop(key, None)
         path = self._snapshot_path(key)
         if path is not None:
             await asyncio.to_thread(self._remove_snapshot, path)
+        await self._release_stored()
 
     async def list(self, owner: str | None = None, everyone: bool = False
                    ) -> list[dict[str, Any]]:
@@ -165,8 +186,11 @@ class PinService:
         expired = await self.engine.take_expired_pins()
         for key in expired:
             self.specs.pop(key, None)
+            self._stored.pop(key, None)
         if expired or self.registry_behind:  # a failed write is retried
             self.persist()
+        if expired:
+            await self._release_stored()
 
     def describe(self, pin) -> dict[str, Any]:
         spec = self.specs.get(pin.key)
@@ -222,28 +246,76 @@ class PinService:
         self.registry_behind = False
         self.last_persist_error = None
 
-    async def _snapshot(self, spec: PinSpec) -> None:
-        """Gather the pin's KV on the engine thread (a copy, between steps) into a buffer made
-        here, and write it from a worker thread."""
-        key = PinKey(spec.owner, spec.name)
-        path = self._snapshot_path(key)
-        if path is None:
-            return
-        try:
-            payload = await self.engine.gather_pin_snapshot(key)
-            await asyncio.to_thread(self._write_snapshot, spec, payload, path)
-        except PinNotFoundError:
-            return  # unpinned (or decayed) before its KV was gathered: nothing to keep
-        except OSError as exc:
-            self.last_persist_error = f"could not write the KV snapshot {path}: {exc}"
-            logger.error("%s", self.last_persist_error)
+    async def _pin_store(self) -> DiskKVStore | None:
+        """The store pins keep their KV in (opened once, off the event loop); None without a
+        state dir."""
+        if self.state_dir is None:
+            return None
+        if self._store is None:
+            self._store = await asyncio.to_thread(self.engine.pin_store, self.state_dir)
+        return self._store
 
-    def _write_snapshot(self, spec: PinSpec, payload: dict[str, Any], path: Path) -> None:
-        assert self.state_dir is not None
+    async def _store_kv(self, spec: PinSpec) -> bool:
+        """Gather the pin's KV on the engine thread (a copy, between steps) into a buffer made
+        here, and write it into the store's pinned segments from a worker thread. Whether it
+        is stored (a failure is logged and kept in ``last_persist_error``)."""
+        key = PinKey(spec.owner, spec.name)
+        store = await self._pin_store()
+        if store is None:
+            return False
+        try:
+            pin = await self.engine.get_pin(key)
+            payload = await self.engine.gather_pin_snapshot(key)
+            keys = self.engine.pin_record_keys(pin.all_token_ids, pin.cache_salt)
+            return await asyncio.to_thread(self._write_kv, spec, store, keys, payload)
+        except PinNotFoundError:
+            return False  # unpinned (or decayed) before its KV was gathered: nothing to keep
+        except OSError as exc:
+            self.last_persist_error = f"could not store the KV of pin {spec.name!r}: {exc}"
+            logger.error("%s", self.last_persist_error)
+            return False
+
+    def _write_kv(self, spec: PinSpec, store: DiskKVStore, keys: list[BlockHash],
+                  payload: dict[str, Any]) -> bool:
+        key = PinKey(spec.owner, spec.name)
         with self._files:
-            if self.specs.get(PinKey(spec.owner, spec.name)) is not spec:
-                return  # unpinned (or replaced) while its KV was gathered
-            pin_snapshots.write_snapshot(payload, path, self.state_dir)
+            if self.specs.get(key) is not spec:
+                return False  # unpinned (or replaced) while its KV was gathered
+            self._stored[key] = keys
+            write_pin_kv(store, keys, payload)
+            if not self._restoring:  # (while restoring, the later pins' keys are not known yet)
+                store.release_pins(self._needed(), self._demote)  # a replaced pin's, say
+        return True
+
+    @property
+    def _demote(self) -> bool:
+        """Unpinned records stay as ordinary blocks where the disk tier serves them."""
+        return self.engine.engine.disk.enabled
+
+    def _needed(self) -> set[BlockHash]:
+        return {k for keys in self._stored.values() for k in keys}
+
+    async def _release_stored(self, others: bool = False) -> None:
+        """Let the store's pinned segments no registered pin needs become ordinary blocks (or
+        go, without the disk tier); with ``others``, every pinned segment of other models'
+        stores beside it too (pins live in the store of the model served)."""
+        store = self._store
+        if store is None:
+            return
+
+        def release() -> None:
+            with self._files:
+                store.release_pins(self._needed(), self._demote)
+            if not others:
+                return
+            for directory in store.directory.parent.iterdir():  # other models' stores
+                if directory != store.directory and (directory / "store.json").is_file():
+                    release_closed_pins(directory)
+
+        try:
+            await asyncio.to_thread(release)
+        except OSError as exc:
+            logger.warning("could not release unpinned blocks in the KV store: %s", exc)
 
     def _remove_snapshot(self, path: Path) -> None:
         with self._files:
@@ -263,8 +335,9 @@ class PinService:
 
     # --- restart ---------------------------------------------------------------------------
     async def restore_all(self) -> list[dict[str, Any]]:
-        """Re-pin every registered prefix: from its KV snapshot when valid, else by prefill.
-        Then drop snapshots no entry names (and those of other models)."""
+        """Re-pin every registered prefix: from its KV in the store (or an older version's
+        snapshot, migrated) when valid, else by prefill. Then drop snapshots no entry names
+        (and those of other models), and let go of the stored records no pin needs."""
         if self.state_dir is None:
             return []
         try:
@@ -284,11 +357,17 @@ class PinService:
                 pin_store.refresh_backup(self.state_dir)
             except OSError as exc:
                 logger.warning("could not back up %s: %s", REGISTRY_FILE, exc)
-        for spec in loaded.specs:
-            report.append(await self._restore_logged(spec))
+        self._restoring = True
+        try:
+            for spec in loaded.specs:
+                report.append(await self._restore_logged(spec))
+        finally:
+            self._restoring = False
         if loaded.problems:
             self.persist()  # a good registry again (the bad one is in pins.json.rejected)
         self._remove_orphans()
+        await self._pin_store()
+        await self._release_stored(others=True)
         self.restore_report = report
         return report
 
@@ -309,38 +388,67 @@ class PinService:
 
     async def _restore_one(self, spec: PinSpec) -> dict[str, Any]:
         key = PinKey(spec.owner, spec.name)
-        pin = await asyncio.to_thread(self._request, spec)
+        token_ids = await asyncio.to_thread(pin_token_ids, self.engine.tokenizer, spec.system,
+                                            spec.tools)
+        keys = self.engine.pin_record_keys(token_ids, tenant_salt(spec.owner))
+        self._stored[key] = keys  # pinned in the store from here on, restored or not
+        pin = self._request(spec, token_ids)
         path = self._snapshot_path(key)
         reason = None
         if path is not None and (path.exists() or pin_snapshots.checksum_path(path).exists()):
-            try:
+            try:  # an older version's snapshot: restored once, then stored and removed
                 payload = await asyncio.to_thread(pin_snapshots.read_snapshot, path)
                 result = await self.engine.restore_pin(pin, payload)
                 if result.pin is None:
                     raise result.error or PinError("the pin failed")
             except (SnapshotError, SnapshotMismatch) as exc:
-                reason = str(exc)
-                logger.warning("the KV snapshot of pin %r is unusable (%s): recomputing it",
-                               spec.name, reason)
+                reason = f"its KV snapshot is unusable: {exc}"
             else:
                 self.specs[key] = spec
-                return {"name": spec.name, "source": "snapshot",
-                        "num_tokens": len(pin.token_ids)}
+                if await self._store_kv(spec):
+                    await asyncio.to_thread(self._remove_snapshot, path)
+                else:  # kept until a start stores it
+                    self._unmigrated.add(key)
+                return {"name": spec.name, "source": "snapshot", "num_tokens": len(pin.token_ids)}
+        store = await self._pin_store()
+        if reason is None and store is not None:
+            try:
+                payload = await asyncio.to_thread(
+                    read_pin_kv, store, keys, pin.token_ids, self.block_size,
+                    self.engine.kv_block_layout(), self.engine.fingerprint, pin.cache_salt)
+                result = await self.engine.restore_pin(pin, payload)
+                if result.pin is None:
+                    raise result.error or PinError("the pin failed")
+            except (StoredKVError, SnapshotMismatch) as exc:
+                reason = str(exc)
+            else:
+                self.specs[key] = spec
+                if not store.all_pinned(keys):  # found in part as the tier's blocks
+                    await self._store_kv(spec)
+                return {"name": spec.name, "source": "store", "num_tokens": len(pin.token_ids)}
+        if reason is not None:
+            logger.warning("the stored KV of pin %r is unusable (%s): recomputing it",
+                           spec.name, reason)
         described = await self.add(spec, persist=False)
-        await self._snapshot(spec)
+        await self._store_kv(spec)
         entry = {"name": spec.name, "source": "recompute", "num_tokens": described["num_tokens"]}
         if reason is not None:
-            entry["snapshot_error"] = reason
+            entry["kv_error"] = reason
         return entry
 
     def _remove_orphans(self) -> None:
+        """Remove the older version's snapshots no unrestored pin still needs (the restored
+        ones were migrated), and the ``kv/`` directory once it is empty."""
         assert self.state_dir is not None
-        keep = [self._snapshot_path(key) for key in [*self.specs, *self.unrestored]]
+        keep = [self._snapshot_path(key) for key in [*self.unrestored, *self._unmigrated]]
         current = pin_snapshots.snapshot_dir(self.state_dir, self.engine.fingerprint,
-                                         self.block_size)
+                                             self.block_size)
         try:
             removed = pin_snapshots.remove_orphans(self.state_dir, current,
-                                               [p for p in keep if p is not None])
+                                                   [p for p in keep if p is not None])
+            for directory in (current, current.parent):
+                if directory.is_dir() and not any(directory.iterdir()):
+                    directory.rmdir()
         except OSError as exc:
             logger.warning("could not remove unused snapshots: %s", exc)
             return

@@ -1,5 +1,7 @@
-"""KV snapshots of pins: taking a pin's KV out of the pool, where its file lives, writing,
-checking and loading it, and putting a loaded one back into the pool.
+"""A pin's KV out of the pool and back into it (the payload :mod:`agentd.pins.stored_kv` writes
+and reads as records of the block store), and the KV snapshot files pins were kept in before
+the store: where such a file lives, checking and loading it (a start migrates each once), and
+writing one (what older versions did; tests and benchmarks make such state dirs with it).
 
 Invariants: a snapshot is used only when its bytes hash to the xxh3-128 checksum stored beside it
 (``NAME.pt.xxh3``, written after the snapshot); anything else is a ``SnapshotError`` and the caller

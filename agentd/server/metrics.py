@@ -120,6 +120,8 @@ def _disk_families(model_name: str, stats: EngineStats) -> Iterator[Metric]:
             ("agentd:kv_disk_bytes", "Bytes of the disk tier's segments.", disk.num_bytes),
             ("agentd:kv_disk_kept_bytes", "Of those, bytes of named sessions' blocks (kept over "
              "anonymous prefixes).", disk.kept_bytes),
+            ("agentd:kv_disk_pinned_bytes", "Bytes of pins' blocks in the store (outside the "
+             "budget).", disk.pinned_bytes),
             ("agentd:kv_disk_budget_bytes", "The disk tier's budget.", disk.budget_bytes),
             ("agentd:kv_disk_write_queue_blocks", "KV blocks waiting to be written.",
              disk.write_queue_blocks)):

@@ -22,7 +22,7 @@ class ServerSettings:
     shutdown_grace_s: float = 10.0
     max_queue: int = 256  # requests that may wait beyond a full batch; then 503 + Retry-After
     shared_cache: bool = False  # with several keys, let tenants share cached prefixes (and pins)
-    state_dir: Path | None = None  # pins.json and KV snapshots; None keeps pins in memory only
+    state_dir: Path | None = None  # pins.json and kv-store/; None keeps pins in memory only
     # Web safety (agentd.server.web_guard): the address bound, more names the Host header may
     # carry, origins whose pages may call the API, and how long a client may take to send a
     # request's headers, then its body.

@@ -2,10 +2,10 @@
 
 Invariants: handlers reach the engine only through ``ServerState.require_engine()``, which answers
 503 while the model loads, after a failed load and during shutdown, so no handler ever sees a
-half-built engine. Pins registered before a restart are restored (from their KV snapshots, or
-recomputed) before the engine is published, so ``/health`` turns 200 only once they hit. The
-server shuts down only an engine it loaded itself; an engine passed in by the caller is started
-if needed and left running for its owner. (Settings: :mod:`agentd.server.settings`; keys and
+half-built engine. Pins registered before a restart are restored (from their KV in the block
+store, or recomputed) before the engine is published, so ``/health`` turns 200 only once they
+hit. The server shuts down only an engine it loaded itself; an engine passed in by the caller is
+started if needed and left running for its owner. (Settings: :mod:`agentd.server.settings`; keys and
 tenants: :mod:`agentd.server.auth`.)
 """
 

@@ -273,3 +273,76 @@ def test_the_keys_that_enter_and_leave_are_reported_once_each(tmp_path: Path) ->
     segment.write_bytes(data)
     assert read(store, key(0)) is None and removed == [key(1), key(0)]
     assert store.clear() == 1 and removed == [key(1), key(0), key(2)]
+
+
+# --- pinned segments: a pin's records, outside the budget, never evicted ------------------------
+def pinned(directory: Path) -> list[Path]:
+    return sorted(directory.glob("*.pin.seg"))
+
+
+def test_pinned_records_outlast_the_budget_clear_and_a_reopen(tmp_path: Path) -> None:
+    store = DiskKVStore(tmp_path / "s", BLOCK_BYTES, 4 * RECORD_BYTES, 2 * RECORD_BYTES)
+    assert store.put_pinned((key(i), [payload(i)]) for i in range(6)) == 6  # over the budget
+    assert len(pinned(tmp_path / "s")) == 1 and store.all_pinned(key(i) for i in range(6))
+    for i in range(100, 120):  # churn: anonymous blocks evict each other, never the pinned
+        store.put(key(i), [payload(i)])
+    assert store.num_bytes <= 4 * RECORD_BYTES
+    assert store.stats().pinned_bytes == 6 * RECORD_BYTES
+    assert all(read(store, key(i)) == payload(i) for i in range(6))
+    assert store.clear() == 4 and len(store) == 6  # clear keeps what pins hold
+    store.close()
+    again = DiskKVStore(tmp_path / "s", BLOCK_BYTES, RECORD_BYTES)  # a smaller budget, even
+    assert again.all_pinned(key(i) for i in range(6))
+    assert all(read(again, key(i)) == payload(i) for i in range(6))
+
+
+def test_a_pinned_copy_outranks_and_replaces_older_copies(tmp_path: Path) -> None:
+    store = DiskKVStore(tmp_path / "s", BLOCK_BYTES, 100 * RECORD_BYTES)
+    store.put(key(1), [payload(2)])  # an anonymous copy (here: with other bytes)
+    assert not store.all_pinned([key(1)])
+    store.put_pinned([(key(1), [payload(1)])])
+    assert read(store, key(1)) == payload(1) and store.all_pinned([key(1)])
+    assert not store.put(key(1), [payload(3)], keep=True)  # a pinned copy is there already
+    store.put_pinned([(key(1), [payload(4)])])  # written again: the newest pinned copy wins
+    store.close()
+    again = DiskKVStore(tmp_path / "s", BLOCK_BYTES, 100 * RECORD_BYTES)
+    assert read(again, key(1)) == payload(4)
+
+
+def test_released_pins_become_anonymous_or_go(tmp_path: Path) -> None:
+    store = DiskKVStore(tmp_path / "s", BLOCK_BYTES, 100 * RECORD_BYTES)
+    store.put_pinned((key(i), [payload(i)]) for i in range(3))  # pin a
+    store.put_pinned((key(i), [payload(i)]) for i in range(10, 13))  # pin b
+    a, b = pinned(tmp_path / "s")
+    assert store.release_pins({key(0), key(10)}) == 0  # both still needed
+    assert store.release_pins({key(11)}) == 1  # a no more: demoted
+    assert pinned(tmp_path / "s") == [b] and not a.exists()
+    assert a.with_name(a.name.replace(".pin", "")).exists()
+    assert read(store, key(1)) == payload(1) and not store.all_pinned([key(1)])
+    assert store.num_bytes == 3 * RECORD_BYTES and store.stats().pinned_bytes == 3 * RECORD_BYTES
+    assert store.release_pins(set(), demote=False) == 1  # b: deleted
+    assert segments(tmp_path / "s") == [a.with_name(a.name.replace(".pin", ""))]
+    assert read(store, key(10)) is None
+
+
+def test_a_torn_pinned_segment_keeps_its_whole_records(tmp_path: Path) -> None:
+    store = DiskKVStore(tmp_path / "s", BLOCK_BYTES, 100 * RECORD_BYTES)
+    store.put_pinned((key(i), [payload(i)]) for i in range(4))
+    store.close()
+    (segment,) = pinned(tmp_path / "s")
+    with segment.open("r+b") as f:
+        f.truncate(2 * RECORD_BYTES + 100)  # killed in the middle of the third record
+    again = DiskKVStore(tmp_path / "s", BLOCK_BYTES, 100 * RECORD_BYTES)
+    assert [read(again, key(i)) == payload(i) for i in range(4)] == [True, True, False, False]
+    assert again.all_pinned([key(0), key(1)]) and not again.all_pinned([key(2)])
+
+
+def test_another_models_pins_are_released_without_opening_its_store(tmp_path: Path) -> None:
+    from agentd.cache import release_closed_pins
+
+    store = DiskKVStore(tmp_path / "s", BLOCK_BYTES, 100 * RECORD_BYTES)
+    store.put_pinned((key(i), [payload(i)]) for i in range(3))
+    store.close()
+    assert release_closed_pins(tmp_path / "s") == 1 and pinned(tmp_path / "s") == []
+    again = DiskKVStore(tmp_path / "s", BLOCK_BYTES, 2 * RECORD_BYTES)  # now within the budget
+    assert len(again) == 0 and again.num_bytes == 0  # one segment of 3 records: over, gone

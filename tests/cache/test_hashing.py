@@ -86,3 +86,21 @@ def test_bad_arguments() -> None:
         hash_blocks(TOKENS, 0)
     with pytest.raises(ValueError, match="parent"):
         hash_blocks(TOKENS, 4, start_block=1)
+
+
+def test_a_partial_blocks_key_never_names_a_full_block() -> None:
+    from agentd.cache import hash_partial_block
+
+    tokens = list(range(40))  # 2 full blocks of 16, a tail of 8
+    full = hash_blocks(tokens, 16, b"fp", "salt")
+    tail = hash_partial_block(tokens, 16, b"fp", "salt", full[-1])
+    assert tail is not None and tail not in full
+    assert hash_partial_block(tokens[:32], 16, b"fp", "salt", full[-1]) is None  # no tail
+    assert tail == hash_partial_block(tokens, 16, b"fp", "salt", full[-1])  # deterministic
+    other = hash_blocks(tokens, 16, b"fp", "other")
+    assert tail != hash_partial_block(tokens, 16, b"fp", "other", other[-1])  # salted (chain)
+    assert hash_partial_block(tokens[:8], 16, b"fp", "salt") != hash_partial_block(
+        tokens[:8], 16, b"fp", "other")  # a tail with no full block before it: salted itself
+    assert tail != hash_partial_block(tokens[:39], 16, b"fp", "salt", full[-1])
+    extended = hash_blocks(tokens + list(range(100, 108)), 16, b"fp", "salt")
+    assert tail != extended[2]  # the tail's tokens grown to a full block: another key

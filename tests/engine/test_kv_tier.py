@@ -291,3 +291,27 @@ def test_a_sessions_prefix_is_kept_on_disk_the_part_it_found_in_the_pool_too(
                                 strict=True):
         assert torch.equal(loaded, computed)
     engine.close()
+
+
+def test_a_retained_prefix_is_kept_on_disk(model, reference, tmp_path) -> None:
+    """A prefix a request asked to hold (cache control) is stored kept, as a session's is: on
+    disk it outlives anonymous prefixes' churn for at least its TTL."""
+    from agentd.engine.request import RetentionRequest
+
+    _, prompt, _ = reference
+    engine = make_engine(model, tmp_path / "kv")
+    store = engine.disk.store
+    run(engine, prompt)
+    num_blocks = NUM_CACHED // BLOCK_SIZE
+    stored(engine, num_blocks)
+    hashes = engine.kv_cache.find_cached_prefix(prompt).block_hashes[:num_blocks]
+    assert not any(store.holds(h, keep=True) for h in hashes)
+    held = engine.retain(prompt, RetentionRequest(NUM_CACHED, 300.0))
+    assert held is not None and held.num_tokens == NUM_CACHED
+    stored(engine, num_blocks)
+    deadline = time.monotonic() + 30
+    while not all(store.holds(h, keep=True) for h in hashes):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert engine.stats().kv_disk.kept_bytes == num_blocks * store.record_bytes
+    engine.close()

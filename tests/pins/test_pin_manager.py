@@ -1,5 +1,6 @@
 """Pins at the engine level: hits for any user message, survival under pool pressure, budget,
-TTL decay, near-miss diagnosis, and restart restore from a KV snapshot (or recompute)."""
+TTL decay, near-miss diagnosis, and restart restore from the pins' KV in the block store (or
+recompute)."""
 
 from __future__ import annotations
 
@@ -231,8 +232,8 @@ def test_near_miss_names_a_per_request_hash_before_the_pin(tiny_llama, research,
     asyncio.run(run())
 
 
-def test_restart_restores_from_snapshot_with_identical_outputs(tiny_model_factory, research,
-                                                               tmp_path):
+def test_restart_restores_from_the_store_with_identical_outputs(tiny_model_factory, research,
+                                                                tmp_path):
     path = tiny_model_factory("llama")
     question = research["turns"][5]
 
@@ -249,7 +250,7 @@ def test_restart_restores_from_snapshot_with_identical_outputs(tiny_model_factor
         try:
             service = PinService(engine, tmp_path)
             [entry] = await service.restore_all()
-            assert entry["source"] == "snapshot"
+            assert entry["source"] == "store"
             last, tokens = await chat(engine, research["system"], question, research["tools"],
                                       max_tokens=8)
             assert last.num_cached_tokens >= entry["num_tokens"]
@@ -272,7 +273,7 @@ def test_restart_restores_from_snapshot_with_identical_outputs(tiny_model_factor
     assert restored == asyncio.run(uncached())
 
 
-def test_snapshot_of_another_model_is_recomputed_not_reused(tiny_model_factory, research,
+def test_another_models_stored_kv_is_recomputed_not_reused(tiny_model_factory, research,
                                                            tmp_path):
     async def pin_with(model_type: str):
         engine = make_engine(tiny_model_factory(model_type))
@@ -429,7 +430,7 @@ def test_a_pins_tail_survives_a_restart(tiny_llama, research, tmp_path):
         engine = make_engine(tiny_llama)
         try:
             [entry] = await PinService(engine, tmp_path).restore_all()
-            assert entry["source"] == "snapshot"
+            assert entry["source"] == "store"
             last, tokens = await chat(engine, system, question, max_tokens=8)
             assert (await engine.check_integrity()).ok
             return last.num_cached_tokens, tokens

@@ -1,8 +1,9 @@
-"""What a restart does with what is on disk: every KV snapshot is checked against its checksum and
-its pin, and anything wrong is recomputed (and said so); ``pins.json`` loses nothing to one bad
-entry, to a torn or garbled file (its backup), or to a pin that could not be restored; snapshots
-no pin names are removed; a model with other weights never restores another's KV; snapshots are
-written off the engine thread.
+"""What a restart does with what is on disk: a pin's KV comes back from the block store only when
+every record of it is there and verifies, and anything wrong is recomputed (and said so);
+``pins.json`` loses nothing to one bad entry, to a torn or garbled file (its backup), or to a pin
+that could not be restored; records no pin needs leave the pinned class; a model with other
+weights never restores another's KV; an older version's KV snapshots are migrated into the store
+once and removed; pins' KV is written off the engine thread.
 
 One module-wide first life pins two prompts and records the greedy reply a never-restarted
 engine gives; each test restarts over a copy of that state dir after damaging it.
@@ -20,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import xxhash
 
+from agentd.cache import PinKey
 from agentd.chat import render_chat
 from agentd.config import EngineConfig
 from agentd.engine.async_engine import AsyncEngine
@@ -93,9 +94,18 @@ def state(first_life, tmp_path) -> Path:
     return copy
 
 
-def snapshot_of(state_dir: Path, name: str) -> Path:
-    (path,) = state_dir.glob(f"kv/*/{name}.pt")
+def store_of(state_dir: Path) -> Path:
+    (path,) = state_dir.glob("kv-store/*-b16")
     return path
+
+
+def pinned_segments(state_dir: Path) -> list[Path]:
+    """The store's pinned segments, oldest first: the first life wrote alpha's, then beta's."""
+    return sorted(store_of(state_dir).glob("*.pin.seg"))
+
+
+def segment_of(state_dir: Path, name: str) -> Path:
+    return pinned_segments(state_dir)[list(SYSTEMS).index(name)]
 
 
 def restored_and_replies(model: Path, state_dir: Path, **config: Any) -> tuple[list, dict]:
@@ -107,56 +117,49 @@ def restored_and_replies(model: Path, state_dir: Path, **config: Any) -> tuple[l
     return restart(model, state_dir, body, **config)
 
 
-# --- 1. KV snapshots: checksum, load errors, mismatches --------------------------------------
-def _flip_kv_sign_bits(path: Path) -> None:
-    """Flip the sign bit of the floats in the middle half of the file — all KV data, 4-byte
-    aligned in any snapshot format: a file that still loads, with every value negated."""
+# --- 1. the stored KV: checksums, torn and missing records ----------------------------------
+def _flip_a_byte_in_each_record(path: Path) -> None:
+    """One byte in the middle of each record's payload: every header still verifies."""
     data = bytearray(path.read_bytes())
-    for index in range(len(data) // 4 // 4 * 4 + 3, len(data) * 3 // 4, 4):
-        data[index] ^= 0x80
+    record = len(data) // _num_records(data)
+    for start in range(0, len(data), record):
+        data[start + record // 2] ^= 0x01
     path.write_bytes(bytes(data))
 
 
-def _with_a_matching_checksum(path: Path, content: bytes) -> None:
-    path.write_bytes(content)
-    pin_snapshots.checksum_path(path).write_text(json.dumps(
-        {"xxh3_128": xxhash.xxh3_128_hexdigest(content),
-         "num_bytes": len(content)}))
+def _num_records(data: bytes) -> int:
+    return data.count(b"AKVB")
 
 
 CORRUPTIONS: dict[str, tuple[Callable[[Path, Path], None], str]] = {
-    "sign bits flipped": (lambda path, other: _flip_kv_sign_bits(path), "do not match"),
+    "a byte flipped in each block": (lambda path, other: _flip_a_byte_in_each_record(path),
+                                     "failed its checks"),
     "truncated": (lambda path, other: path.write_bytes(path.read_bytes()[:4096]),
-                  "its checksum says"),
+                  "not in the store"),
     "random bytes": (lambda path, other: path.write_bytes(os.urandom(path.stat().st_size)),
-                     "do not match"),
-    "no checksum": (lambda path, other: pin_snapshots.checksum_path(path).unlink(),
-                    "no checksum"),
-    "not a snapshot, checksum right": (
-        lambda path, other: _with_a_matching_checksum(path, b"not a snapshot at all\n"),
-        "cannot be loaded"),
-    "another pin's snapshot": (
-        lambda path, other: [shutil.copy(other, path), shutil.copy(
-            pin_snapshots.checksum_path(other), pin_snapshots.checksum_path(path))],
-        "tokens differ"),
+                     "not in the store"),
+    "deleted": (lambda path, other: path.unlink(), "not in the store"),
+    "another pin's segment in its place": (lambda path, other: shutil.copy(other, path),
+                                           "not in the store"),
 }
 
 
 @pytest.mark.parametrize("how", list(CORRUPTIONS))
-def test_a_damaged_snapshot_is_recomputed_and_the_report_says_why(model, first_life, state,
-                                                                  how: str) -> None:
+def test_damaged_stored_kv_is_recomputed_and_the_report_says_why(model, first_life, state,
+                                                                 how: str) -> None:
     corrupt, reason = CORRUPTIONS[how]
-    corrupt(snapshot_of(state, "alpha"), snapshot_of(state, "beta"))
+    corrupt(segment_of(state, "alpha"), segment_of(state, "beta"))
     report, replies = restored_and_replies(model, state)
     by_name = {entry["name"]: entry for entry in report}
     assert by_name["alpha"]["source"] == "recompute", report
-    assert reason in by_name["alpha"]["snapshot_error"], report
-    assert by_name["beta"]["source"] == "snapshot", report
+    assert reason in by_name["alpha"]["kv_error"], report
+    assert by_name["beta"]["source"] == "store", report
     for name, info in first_life["infos"].items():  # both serve, as a never-restarted engine
         num_cached, reply = replies[name]
         assert num_cached >= info["num_tokens"]
         assert reply == first_life["replies"][name]
-    assert pin_snapshots.read_snapshot(snapshot_of(state, "alpha"))["kv"].numel()  # rewritten whole
+    report, _ = restored_and_replies(model, state)  # the recompute stored alpha again, whole
+    assert {e["name"]: e["source"] for e in report} == {"alpha": "store", "beta": "store"}
 
 
 # --- 2. another model with the same shapes -----------------------------------------------------
@@ -168,9 +171,10 @@ def test_a_model_with_other_weights_never_restores_anothers_snapshot(model, firs
         assert engine.engine.loaded.fingerprint != first_life["fingerprint"]
         return report, {name: await ask(engine, system) for name, system in SYSTEMS.items()}
 
+    first_store = store_of(state)
     report, replies = restart(other, state, body)
     assert [entry["source"] for entry in report] == ["recompute", "recompute"], report
-    assert not any("snapshot_error" in entry for entry in report)  # never even looked at
+    assert all("not in the store" in entry["kv_error"] for entry in report), report
 
     async def uncached(engine, service, report):
         return {name: (await ask(engine, system))[1] for name, system in SYSTEMS.items()}
@@ -178,9 +182,12 @@ def test_a_model_with_other_weights_never_restores_anothers_snapshot(model, firs
     expected = restart(other, state.with_name("empty"), uncached, enable_prefix_caching=False)
     assert {name: reply for name, (_, reply) in replies.items()} == expected
     assert expected != first_life["replies"]  # the two models do differ
-    # the first model's snapshots are gone: a model no longer in use
-    assert [p.name for p in (state / "kv").iterdir()] == [snapshot_of(state, "alpha").parent.name]
-    assert first_life["fingerprint"] not in snapshot_of(state, "alpha").parent.name
+    # each model has its own store; the first one's pins' records are ordinary blocks now
+    # (within that store's budget when it is next opened), not pinned outside any budget
+    stores = sorted(p.name for p in (state / "kv-store").iterdir())
+    assert len(stores) == 2 and first_store.name in stores
+    assert first_life["fingerprint"] in first_store.name
+    assert not list(first_store.glob("*.pin.seg")) and list(first_store.glob("*.seg"))
 
 
 # --- 6. a tenant's pin ------------------------------------------------------------------------
@@ -193,11 +200,11 @@ def test_a_tenants_pin_comes_back_in_its_name_space_with_its_salt(model, tmp_pat
 
     info = restart(model, tmp_path, first)
     assert info["owner"] == owner
-    assert list((tmp_path / "kv").glob(f"*/tenant-{owner}/alpha.pt"))
+    assert len(pinned_segments(tmp_path)) == 2  # the same text, two salts: two sets of records
 
     async def second(engine, service, report):
         assert {(e.get("owner"), e["source"]) for e in report} == {
-            (None, "snapshot"), (owner, "snapshot")}, report
+            (None, "store"), (owner, "store")}, report
         assert [p["owner"] for p in await service.list(owner)] == [owner]
         return (await ask(engine, SYSTEMS["alpha"], tenant_salt(owner)))[0], \
             (await ask(engine, SYSTEMS["alpha"]))[0]
@@ -226,7 +233,7 @@ def test_bad_entries_are_skipped_and_reported_and_the_rest_restored(model, first
     assert any("colour" in e and "ignored" in e for e in errors), errors
     assert sum("skipped" in e for e in errors) == 4, errors
     assert {e["name"]: e["source"] for e in report if "source" in e} == {
-        "alpha": "snapshot", "beta": "snapshot"}
+        "alpha": "store", "beta": "store"}
     assert {name: reply for name, (_, reply) in replies.items()} == first_life["replies"]
     assert registry_names(state) == ["alpha", "beta"]  # rewritten clean...
     assert (state / "pins.json.rejected").read_text() == damaged  # ... the original kept
@@ -250,7 +257,7 @@ def test_an_unreadable_registry_falls_back_to_its_backup(model, first_life, stat
     assert [e["name"] for e in report if "error" in e] == ["pins.json"], report
     assert "unreadable" in report[0]["error"]
     assert {e["name"]: e["source"] for e in report if "source" in e} == {
-        "alpha": "snapshot", "beta": "snapshot"}
+        "alpha": "store", "beta": "store"}
     assert registry_names(state) == ["alpha", "beta", "delta"]
     assert registry_names(state, "pins.json.bak") == ["alpha", "beta"]
 
@@ -264,18 +271,18 @@ def test_a_pin_that_cannot_be_restored_stays_registered(model, first_life, state
     report = restart(model, state, body, max_model_len=256)  # alpha and beta no longer fit
     assert {e["name"] for e in report if "error" in e} == {"alpha", "beta"}, report
     assert sorted(registry_names(state)) == ["alpha", "beta", "short"]
-    assert snapshot_of(state, "alpha").exists()  # still named by the registry: kept
+    assert len(pinned_segments(state)) == 3  # alpha's and beta's still pinned, and short's
     report, replies = restored_and_replies(model, state)  # room again: all three come back
     assert {e["name"]: e["source"] for e in report} == {
-        "alpha": "snapshot", "beta": "snapshot", "short": "snapshot"}
+        "alpha": "store", "beta": "store", "short": "store"}
     assert {name: reply for name, (_, reply) in replies.items()} == first_life["replies"]
 
 
-def test_snapshots_no_pin_names_are_removed(model, first_life, state) -> None:
-    alpha = snapshot_of(state, "alpha")
-    stray = [alpha.with_name("ghost.pt"), alpha.with_name("ghost.pt.xxh3"),
-             alpha.parent / "tenant-ab12" / "old.pt",
-             state / "kv" / "0123abcd-b16" / "alpha.pt", state / "kv" / "0123abcd-b32" / "x.pt"]
+def test_records_no_pin_needs_leave_and_stray_snapshots_are_removed(model, first_life,
+                                                                     state) -> None:
+    alpha, beta = segment_of(state, "alpha"), segment_of(state, "beta")
+    stray = [state / "kv" / "fp-b16" / "ghost.pt", state / "kv" / "fp-b16" / "ghost.pt.xxh3",
+             state / "kv" / "fp-b16" / "tenant-ab12" / "old.pt", state / "kv" / "0123-b32" / "x.pt"]
     for path in stray:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"x")
@@ -283,25 +290,68 @@ def test_snapshots_no_pin_names_are_removed(model, first_life, state) -> None:
     doc["pins"] = [p for p in doc["pins"] if p["name"] == "alpha"]
     (state / "pins.json").write_text(json.dumps(doc))  # beta unregistered by hand
     report, _ = restored_and_replies(model, state)
-    assert [e["name"] for e in report] == ["alpha"]
-    assert not any(p.exists() for p in stray)
-    assert not (state / "kv" / "0123abcd-b16").exists()
-    assert sorted(p.name for p in alpha.parent.rglob("*")) == ["alpha.pt", "alpha.pt.xxh3"]
+    assert [(e["name"], e["source"]) for e in report] == [("alpha", "store")]
+    assert not (state / "kv").exists()  # no pin names those snapshots
+    assert pinned_segments(state) == [alpha] and not beta.exists()  # no disk tier: deleted
 
 
-# --- 4. snapshots are written off the engine thread ------------------------------------------
-def test_the_engine_serves_while_a_snapshot_is_written(model, tmp_path, monkeypatch) -> None:
-    """The write holds in the middle for 8 s (the crash tests' hook): a request sent meanwhile
-    is answered before the snapshot is committed. Written on the engine thread, it waited."""
-    monkeypatch.setenv("AGENTD_TEST_PAUSE_SNAPSHOT_S", "8")
+def test_unpinned_records_become_ordinary_blocks_of_the_disk_tier(model, first_life, state
+                                                                  ) -> None:
+    beta = segment_of(state, "beta")
+
+    async def body(engine, service, report):
+        await service.remove("beta")
+        return engine.engine.disk.store.stats()
+
+    stats = restart(model, state, body, kv_disk_dir=str(state / "kv-store"))
+    assert pinned_segments(state) == [segment_of(state, "alpha")]
+    assert not beta.exists() and beta.with_name(beta.name.replace(".pin", "")).exists()
+    assert stats.pinned_bytes == segment_of(state, "alpha").stat().st_size
+    assert stats.num_bytes >= beta.with_name(beta.name.replace(".pin", "")).stat().st_size
+
+
+# --- 5. an older version's snapshots are migrated ----------------------------------------------
+def test_an_older_versions_snapshots_are_restored_once_then_kept_in_the_store(model, first_life,
+                                                                              tmp_path) -> None:
+    state = tmp_path / "old"
+
+    async def old_version(engine, service, report):
+        """What the previous version left: pins.json and a KV snapshot a pin, no store."""
+        for name, system in SYSTEMS.items():
+            await service.add(PinSpec(name, system))
+            payload = await engine.gather_pin_snapshot(PinKey(None, name))
+            pin_snapshots.write_snapshot(payload, service._snapshot_path(PinKey(None, name)),
+                                         state)
+        service._store.clear()
+        for segment in store_of(state).glob("*.seg"):
+            segment.unlink()
+
+    restart(model, state, old_version)
+    shutil.rmtree(state / "kv-store")
+    assert len(list(state.glob("kv/*/*.pt"))) == 2
+    report, replies = restored_and_replies(model, state)
+    assert {e["name"]: e["source"] for e in report} == {"alpha": "snapshot", "beta": "snapshot"}
+    assert {name: reply for name, (_, reply) in replies.items()} == first_life["replies"]
+    assert not (state / "kv").exists() and len(pinned_segments(state)) == 2
+    report, replies = restored_and_replies(model, state)
+    assert {e["name"]: e["source"] for e in report} == {"alpha": "store", "beta": "store"}
+    assert {name: reply for name, (_, reply) in replies.items()} == first_life["replies"]
+
+
+# --- 4. pins' KV is written off the engine thread ----------------------------------------------
+def test_the_engine_serves_while_a_pins_kv_is_written(model, tmp_path, monkeypatch) -> None:
+    """The write holds halfway for 8 s (the crash tests' hook): a request sent meanwhile is
+    answered before the pin's records are all written. Written on the engine thread, it
+    waited."""
+    monkeypatch.setenv("AGENTD_TEST_PAUSE_PIN_KV_S", "8")
 
     async def body(engine, service, report):
         adding = asyncio.create_task(service.add(PinSpec("alpha", SYSTEMS["alpha"])))
-        while not list(tmp_path.glob("kv/*/.alpha.pt.*.tmp")):
+        while not any(p.stat().st_size for p in tmp_path.glob("kv-store/*/*.pin.seg")):
             assert not adding.done(), adding.result()
             await asyncio.sleep(0.02)
         await ask(engine, "You are a plain assistant.")
-        written = bool(list(tmp_path.glob("kv/*/alpha.pt")))
+        written = adding.done()
         await adding
         return written
 
@@ -313,7 +363,8 @@ def test_state_files_are_private(first_life) -> None:
     state_dir = first_life["state_dir"]
     assert state_dir.stat().st_mode & 0o777 == 0o700
     files = [p for p in [state_dir, *state_dir.rglob("*")]]
-    assert any(p.name == "alpha.pt.xxh3" for p in files) and (state_dir / "pins.json.bak").exists()
+    assert any(p.name.endswith(".pin.seg") for p in files)
+    assert (state_dir / "pins.json.bak").exists()
     for path in files:
         assert path.stat().st_mode & 0o777 == (0o700 if path.is_dir() else 0o600), path
 

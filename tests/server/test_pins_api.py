@@ -278,20 +278,20 @@ def test_ttl_decays_to_ordinary_lru(client: TestClient, research: dict) -> None:
         "tail_tokens"]
 
 
-def test_registry_and_snapshot_in_the_state_dir(make_client, research: dict,
-                                                tmp_path: Path) -> None:
+def test_registry_and_stored_kv_in_the_state_dir(make_client, research: dict,
+                                                 tmp_path: Path) -> None:
     client = make_client(state_dir=tmp_path)
     info = pin(client, research["system"], tools=research["tools"], ttl="2h").json()
     doc = json.loads((tmp_path / "pins.json").read_text())
     (entry,) = doc["pins"]
     assert entry["name"] == "research" and entry["ttl_s"] == 7200
     assert entry["tools"][0]["function"]["name"] == research["tools"][0]["function"]["name"]
-    (snapshot,) = (tmp_path / "kv").glob("*/research.pt")
-    assert snapshot.stat().st_size > 0
+    (segment,) = (tmp_path / "kv-store").glob("*/*.pin.seg")  # the pin's blocks, pinned
+    assert segment.stat().st_size > 0
     assert client.get("/v1/stats").json()["pin_persist_error"] is None
     assert client.delete("/v1/pins/research").status_code == 200
     assert json.loads((tmp_path / "pins.json").read_text())["pins"] == []
-    assert not snapshot.exists()
+    assert not segment.exists()  # pinned no more (no disk tier here: deleted)
     assert info["num_blocks"] > 0
 
 
@@ -309,7 +309,7 @@ def test_restore_on_start_from_the_state_dir(engines, research: dict, tmp_path: 
                     base_url=LOCAL) as second:
         assert [p["name"] for p in second.get("/v1/pins").json()["data"]] == ["research"]
         (report,) = second.get("/v1/stats").json()["pin_restore"]
-        assert report["source"] == "snapshot" and report["num_tokens"] == info["num_tokens"]
+        assert report["source"] == "store" and report["num_tokens"] == info["num_tokens"]
         assert report["prefill_s"] == pytest.approx(info["prefill_s"])
         assert cached(chat(second, research["system"], "Hi", research["tools"])) >= \
             info["num_tokens"]

@@ -6,8 +6,8 @@ model's, at a fraction of CI's time), a small pool.
 chat requests through the ``openai`` SDK with any user message then report the whole pin as
 cached. Unique prompts worth twice the pool's unpinned blocks churn every one of them: the pin
 still hits in full while an unpinned prefix used at the same time is evicted. Then ``kill -9``
-and a restart on the same state dir: the pin is back (from its KV snapshot) before ``/health``
-says ready, and the first request hits.
+and a restart on the same state dir: the pin is back (its KV read from the block store) before
+``/health`` says ready, and the first request hits.
 """
 
 from __future__ import annotations
@@ -102,9 +102,9 @@ def test_pin_survives_pressure_and_kill_9(daemon, research: dict[str, Any]) -> N
     (listed,) = httpx.get(f"{daemon.url}/v1/pins").json()["data"]
     assert listed["name"] == "research" and listed["num_tokens"] == num_tokens
     (report,) = httpx.get(f"{daemon.url}/v1/stats").json()["pin_restore"]
-    assert report["source"] == "snapshot" and report["num_tokens"] == num_tokens
+    assert report["source"] == "store" and report["num_tokens"] == num_tokens
     assert report["prefill_s"] > 0 and report["elapsed_s"] > 0
     assert chat(client, research["system"], "First question after the restart.",
                 research["tools"]) >= num_tokens
-    assert "restored by snapshot" in daemon.log()
+    assert "restored by store" in daemon.log()
     json.loads((daemon.state_dir / "pins.json").read_text())

@@ -109,15 +109,20 @@ struct Span {
 };
 
 // Each group's shared run in chunks (about two spans per thread over all the shared slots, at
-// least kMinSpan slots each), then each row's own slots after it as one span.
+// least kMinSpan and at most kMaxSpan slots each), then each row's own slots after it in spans
+// of at most kMaxSpan. At most kMaxSpan, so that a span's scores ([queries, slots] floats that
+// the key pass writes and the softmax and the value pass read back) stay in L2: one sequence at
+// 16k tokens took 4,096-slot spans before (32 heads' scores, 526 KB a span), and its decode
+// step went from 108 to 84 ms on the 1.7B (f16 KV; q8_0 95 -> 73-80) and from 200 to 157 ms on
+// the 8B (q8_0 185 -> 169), 2 Zen 5 threads (benchmarks/results/2026-12-06-8b-16k.md).
 std::vector<Span> plan_spans(const std::vector<RowGroup>& groups, const int32_t* tables,
                              int64_t table_stride, const int32_t* lens, int block_size,
                              int64_t threads) {
-  constexpr int64_t kMinSpan = 128;
+  constexpr int64_t kMinSpan = 128, kMaxSpan = 512;
   int64_t shared_total = 0;
   for (const RowGroup& g : groups) shared_total += int64_t{g.shared_blocks} * block_size;
-  const int64_t chunk =
-      std::max(kMinSpan, (shared_total + 2 * threads - 1) / std::max<int64_t>(1, 2 * threads));
+  const int64_t even = (shared_total + 2 * threads - 1) / std::max<int64_t>(1, 2 * threads);
+  const int64_t chunk = std::min(kMaxSpan, std::max(kMinSpan, even));
   std::vector<Span> spans;
   for (const RowGroup& g : groups) {
     const int n = static_cast<int>(g.rows.size());
@@ -129,8 +134,9 @@ std::vector<Span> plan_spans(const std::vector<RowGroup>& groups, const int32_t*
     }
     for (int j = 0; j < n; ++j) {
       const int32_t r = g.rows[j];
-      if (lens[r] > shared) {
-        spans.push_back({&g.rows[j], 1, tables + r * table_stride, shared, lens[r]});
+      for (int p0 = shared; p0 < lens[r]; p0 += static_cast<int>(kMaxSpan)) {
+        spans.push_back({&g.rows[j], 1, tables + r * table_stride, p0,
+                         static_cast<int>(std::min<int64_t>(lens[r], p0 + kMaxSpan))});
       }
     }
   }

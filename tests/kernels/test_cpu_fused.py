@@ -65,6 +65,27 @@ def test_decode_attention_over_shared_prefixes(kv_dtype, groups, shared_blocks, 
     torch.testing.assert_close(actual, expected, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
+def test_decode_attention_over_long_contexts_in_many_spans(kv_dtype, isa, generator):
+    # a row's context goes in spans of at most 512 slots, its partials merged: one row alone
+    # (1,300 slots), and two rows on a shared 10-block prefix with long own tails (700, 1,100)
+    block_size, num_kv_heads, head_dim, num_blocks = 16, 2, 64, 256
+    planes = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=generator)
+    kv_cache = planes.to(kv_dtype).transpose(0, 1)
+    free = torch.randperm(num_blocks, generator=generator).tolist()
+    prefix = [free.pop() for _ in range(10)]
+    lens = [1300, 160 + 700, 160 + 1100]
+    tables = [[free.pop() for _ in range(-(-1300 // block_size))]]
+    tables += [prefix + [free.pop() for _ in range(-(-(n - 160) // block_size))] for n in lens[1:]]
+    width = max(map(len, tables))
+    tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32)
+    query = torch.randn(len(lens), 8, head_dim, generator=generator)
+    actual = fused.decode_attention(query, kv_cache, tables, seq_lens, 0.125)
+    expected = reference_decode_attention(query, kv_cache.float(), tables, seq_lens, 0.125)
+    torch.testing.assert_close(actual, expected, atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize(("kv_dtype", "groups", "path"), [
     (torch.float32, [4], "torch"), (torch.float32, [3, 1], "torch"),
     (torch.float32, [1, 1, 1], "kernel"), (torch.float32, [1], "kernel"),

@@ -225,16 +225,10 @@ class DiskKVStore:
         """Append one block (its payload in pieces, ``block_bytes`` in all), into a kept segment
         where ``keep``; False when it is there already (kept, where ``keep``) or cannot fit the
         budget. Raises OSError when the disk refuses (full)."""
-        pieces = [memoryview(p).cast("B") for p in payload]
-        if sum(len(p) for p in pieces) != self.block_bytes:
-            raise ValueError(f"a block is {self.block_bytes} bytes, got "
-                             f"{sum(len(p) for p in pieces)}")
+        pieces = self._pieces(payload)
         if self.holds(key, keep) or self.record_bytes > self.budget_bytes:
             return False
-        digest = xxhash.xxh3_64()
-        for piece in pieces:
-            digest.update(piece)
-        checksum = digest.intdigest()
+        checksum = _checksum(pieces)
         with self._lock:
             if not self._evict_to(self.budget_bytes - self.record_bytes, keep):
                 return False  # only kept segments could make room, and this one is not kept
@@ -242,28 +236,8 @@ class DiskKVStore:
             segment = self._writable(rank)
             offset = segment.num_bytes
             segment.users += 1
-        try:
-            buffers = [make_header(key, self.block_bytes, checksum), *pieces]
-            written = os.pwritev(segment.fd, buffers, offset)
-            if written != self.record_bytes:  # a short write: the disk is full
-                os.ftruncate(segment.fd, offset)
-                raise OSError(f"wrote {written} of {self.record_bytes} bytes of a KV block")
-        finally:
-            self._release(segment)
-        with self._lock:
-            if segment.dead:  # cleared while it was written
-                return False
-            segment.num_bytes = offset + self.record_bytes
-            segment.last_used = time.time()
-            segment.keys.append(key)
-            known = self._index.get(key)  # else a kept copy of a stored block
-            if known is None or known.rank <= rank:
-                self._index[key] = Location(segment.seg_id, offset + HEADER_BYTES,
-                                             self.block_bytes, checksum, rank)
-            self.num_written += 1
-            if known is None and self.on_stored is not None:
-                self.on_stored([key])
-        return True
+        self._write_record(segment, offset, key, pieces, checksum)
+        return self._commit(segment, offset, key, checksum, rank)  # False: cleared meanwhile
 
     def put_pinned(self, records: Iterable[tuple[BlockHash, Iterable[memoryview | bytes]]]
                    ) -> int:
@@ -276,41 +250,17 @@ class DiskKVStore:
         num_written = 0
         try:
             for key, payload in records:
-                pieces = [memoryview(p).cast("B") for p in payload]
-                if sum(len(p) for p in pieces) != self.block_bytes:
-                    raise ValueError(f"a block is {self.block_bytes} bytes, got "
-                                     f"{sum(len(p) for p in pieces)}")
-                digest = xxhash.xxh3_64()
-                for piece in pieces:
-                    digest.update(piece)
-                checksum = digest.intdigest()
+                pieces = self._pieces(payload)
+                checksum = _checksum(pieces)
                 with self._lock:
                     if segment is None:
                         segment = self._new_segment(PINNED)
                     offset = segment.num_bytes
                     segment.users += 1
-                try:
-                    written = os.pwritev(segment.fd, [make_header(key, self.block_bytes, checksum),
-                                                      *pieces], offset)
-                    if written != self.record_bytes:
-                        os.ftruncate(segment.fd, offset)
-                        raise OSError(f"wrote {written} of {self.record_bytes} bytes of a KV "
-                                      "block")
-                finally:
-                    self._release(segment)
-                with self._lock:
-                    if segment.dead:
-                        raise OSError("the pinned segment was removed while it was written")
-                    segment.num_bytes = offset + self.record_bytes
-                    segment.last_used = time.time()
-                    segment.keys.append(key)
-                    known = self._index.get(key)
-                    self._index[key] = Location(segment.seg_id, offset + HEADER_BYTES,
-                                                 self.block_bytes, checksum, PINNED)
-                    self.num_written += 1
-                    num_written += 1
-                    if known is None and self.on_stored is not None:
-                        self.on_stored([key])
+                self._write_record(segment, offset, key, pieces, checksum)
+                if not self._commit(segment, offset, key, checksum, PINNED):
+                    raise OSError("the pinned segment was removed while it was written")
+                num_written += 1
             if segment is not None:
                 os.fsync(segment.fd)
                 fsync_dir(self.directory)
@@ -320,6 +270,45 @@ class DiskKVStore:
                     if not segment.dead:
                         self._remove(segment)
         return num_written
+
+    def _pieces(self, payload: Iterable[memoryview | bytes]) -> list[memoryview]:
+        pieces = [memoryview(p).cast("B") for p in payload]
+        if sum(len(p) for p in pieces) != self.block_bytes:
+            raise ValueError(f"a block is {self.block_bytes} bytes, got "
+                             f"{sum(len(p) for p in pieces)}")
+        return pieces
+
+    def _write_record(self, segment: Segment, offset: int, key: BlockHash,
+                      pieces: list[memoryview], checksum: int) -> None:
+        """Write a record at ``offset`` of ``segment`` (outside the lock; the caller counted
+        itself among its users); a short write (a full disk) is cut off and raises OSError."""
+        try:
+            written = os.pwritev(segment.fd, [make_header(key, self.block_bytes, checksum),
+                                              *pieces], offset)
+            if written != self.record_bytes:
+                os.ftruncate(segment.fd, offset)
+                raise OSError(f"wrote {written} of {self.record_bytes} bytes of a KV block")
+        finally:
+            self._release(segment)
+
+    def _commit(self, segment: Segment, offset: int, key: BlockHash, checksum: int,
+                rank: int) -> bool:
+        """Count a written record in its segment and index it unless a copy of a higher class
+        is there; False when the segment was removed while it was written."""
+        with self._lock:
+            if segment.dead:
+                return False
+            segment.num_bytes = offset + self.record_bytes
+            segment.last_used = time.time()
+            segment.keys.append(key)
+            known = self._index.get(key)  # else a copy of a stored block, kept or pinned
+            if known is None or known.rank <= rank:
+                self._index[key] = Location(segment.seg_id, offset + HEADER_BYTES,
+                                            self.block_bytes, checksum, rank)
+            self.num_written += 1
+            if known is None and self.on_stored is not None:
+                self.on_stored([key])
+        return True
 
     def release_pins(self, needed: Iterable[BlockHash], demote: bool = True) -> int:
         """Let go of the pinned segments in which no key of ``needed`` has its indexed copy:
@@ -420,11 +409,8 @@ class DiskKVStore:
             head, num_read = b"", 0
         finally:
             self._release(segment)
-        digest = xxhash.xxh3_64()
-        for piece in pieces:
-            digest.update(piece)
         if (parse_header(head) != (key, self.block_bytes, location.checksum)
-                or num_read != self.block_bytes or digest.intdigest() != location.checksum):
+                or num_read != self.block_bytes or _checksum(pieces) != location.checksum):
             self._reject(key, location)
             return False
         with self._lock:
@@ -469,3 +455,10 @@ class DiskKVStore:
                 if segment.users == 0 and not segment.dead:
                     os.close(segment.fd)
                     segment.dead = True
+
+
+def _checksum(pieces: list[memoryview]) -> int:
+    digest = xxhash.xxh3_64()
+    for piece in pieces:
+        digest.update(piece)
+    return digest.intdigest()

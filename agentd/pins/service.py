@@ -107,15 +107,18 @@ class PinService:
                                        self.block_size, key.owner, key.name)
 
     # --- operations ------------------------------------------------------------------------
-    async def add(self, spec: PinSpec, persist: bool = True) -> dict[str, Any]:
-        """Render, prefill and pin in ``spec.owner``'s name space (hashed with its cache
-        salt); returns the pin's description.
+    async def add(self, spec: PinSpec, persist: bool = True,
+                  token_ids: list[int] | None = None) -> dict[str, Any]:
+        """Render (unless its ``token_ids`` are known: a restart rendered them already), prefill
+        and pin in ``spec.owner``'s name space (hashed with its cache salt); returns the pin's
+        description.
 
         Raises PinError (with an HTTP status) when the name is taken, the budget is short or the
         prefix does not fit the context.
         """
         # rendered in a worker thread, as chat prompts are: /health and streams go on meanwhile
-        result = await self.engine.run_pin(await asyncio.to_thread(self._request, spec))
+        result = await self.engine.run_pin(await asyncio.to_thread(self._request, spec,
+                                                                   token_ids))
         if result.pin is None:
             raise result.error or PinError("the pin failed")
         if spec.prefill_s is None:
@@ -429,7 +432,7 @@ class PinService:
         if reason is not None:
             logger.warning("the stored KV of pin %r is unusable (%s): recomputing it",
                            spec.name, reason)
-        described = await self.add(spec, persist=False)
+        described = await self.add(spec, persist=False, token_ids=token_ids)  # rendered once
         await self._store_kv(spec)
         entry = {"name": spec.name, "source": "recompute", "num_tokens": described["num_tokens"]}
         if reason is not None:

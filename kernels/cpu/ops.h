@@ -73,7 +73,7 @@ inline size_t span_scratch_floats(const KvLayout& kv, int num_heads, int num_row
 // (ops_prefill.h); the floats of state it holds per KV head (the queries, the outputs, their
 // tops and sums) and of scratch in all.
 constexpr int kChunkQueries = 64;
-constexpr int kChunkSlots = 64;
+constexpr int kChunkSlots = 128;
 
 inline size_t chunk_head_floats(int head_dim) {
   return 2 * size_t{kChunkQueries} * head_dim + 2 * size_t{kChunkQueries};

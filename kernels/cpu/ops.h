@@ -72,7 +72,7 @@ inline size_t span_scratch_floats(const KvLayout& kv, int num_heads, int num_row
 // A prefill task's query vectors per KV head (rows x that head's query heads) and slots a tile
 // (ops_prefill.h); the floats of state it holds per KV head (the queries, the outputs, their
 // tops and sums) and of scratch in all.
-constexpr int kChunkQueries = 64;
+constexpr int kChunkQueries = 128;
 constexpr int kChunkSlots = 128;
 
 inline size_t chunk_head_floats(int head_dim) {

@@ -106,10 +106,11 @@ inline void values_rows(const float* st, const float* vt, int n, int D, int i0, 
 
 // The scores st [n, kMQ] of slots [t0, t1) masked (slot t is seen by the queries of rows at
 // positions >= t) and turned into weights exp(score - top) under the running tops; the tops,
-// the sums and the outputs o of the first M queries rescaled to them.
+// the sums and the outputs o of the first M queries rescaled to them. Only the first Q >= M
+// queries are scored (the task's queries rounded up to the score loops' width).
 template <bool kBf16Weights = false>
 inline void online_softmax(float* st, int t0, int t1, int first_pos, int G, int M, int D,
-                           float* top, float* sum, float* o) {
+                           float* top, float* sum, float* o, int Q) {
   const int n = t1 - t0;
   for (int t = std::max(t0, first_pos + 1); t < t1; ++t) {
     const int first_query = std::min(M, (t - first_pos) * G);
@@ -117,20 +118,20 @@ inline void online_softmax(float* st, int t0, int t1, int first_pos, int G, int 
               -std::numeric_limits<float>::infinity());
   }
   float tile_top[kMQ];
-  std::copy(top, top + kMQ, tile_top);
+  std::copy(top, top + Q, tile_top);
   for (int t = 0; t < n; ++t) {
     const float* s = st + t * kMQ;
-    for (int i = 0; i < kMQ; ++i) tile_top[i] = tile_top[i] > s[i] ? tile_top[i] : s[i];
+    for (int i = 0; i < Q; ++i) tile_top[i] = tile_top[i] > s[i] ? tile_top[i] : s[i];
   }
   float rescale[kMQ];
-  for (int i = 0; i < kMQ; ++i) rescale[i] = top[i] - tile_top[i];
-  exp_shifted(rescale, kMQ, 0.0f);
+  for (int i = 0; i < Q; ++i) rescale[i] = top[i] - tile_top[i];
+  exp_shifted(rescale, Q, 0.0f);
   float tile_sum[kMQ] = {};
   for (int t = 0; t < n; ++t) {
     float* s = st + t * kMQ;
     int i = 0;
 #if defined(AGENTD_OPS_AVX512) || defined(AGENTD_OPS_AVX2)
-    for (; i + kWidth <= kMQ; i += kWidth) {
+    for (; i + kWidth <= Q; i += kWidth) {
       Vec p;
 #if defined(AGENTD_PREFILL_BF16)
       if constexpr (kBf16Weights) {
@@ -145,12 +146,12 @@ inline void online_softmax(float* st, int t0, int t1, int first_pos, int G, int 
       vstore(tile_sum + i, vadd(vload(tile_sum + i), p));
     }
 #endif
-    for (; i < kMQ; ++i) {
+    for (; i < Q; ++i) {
       s[i] = exp_fast(s[i] - tile_top[i]);
       tile_sum[i] += s[i];
     }
   }
-  for (int i = 0; i < kMQ; ++i) {
+  for (int i = 0; i < Q; ++i) {
     sum[i] = sum[i] * rescale[i] + tile_sum[i];
     top[i] = tile_top[i];
   }
@@ -196,6 +197,9 @@ void attend_chunk_as(const KvLayout& kv, const float* query, int64_t query_strid
   const SlotRows<kT> slot_row{kv, table};
   const int end = first_pos + num_rows;  // the last row sees slots [0, end)
   const bool vectors = kWidth > 0 && D % (kWidth > 0 ? kWidth : 1) == 0;
+  // the queries scored and weighed: M rounded up to the vector score loop's 4 vectors
+  constexpr int kStep = kWidth > 0 ? 4 * kWidth : 1;
+  const int Q = vectors ? std::min(kMQ, (M + kStep - 1) / kStep * kStep) : kMQ;
   for (int t0 = 0; t0 < end; t0 += kTK) {
     const int t1 = std::min(end, t0 + kTK), n = t1 - t0;
     for (int j = 0; j < num_kh; ++j) {  // the heads of a slot are one row of the pool
@@ -210,7 +214,7 @@ void attend_chunk_as(const KvLayout& kv, const float* query, int64_t query_strid
 #if defined(AGENTD_OPS_AVX512) || defined(AGENTD_OPS_AVX2)
       if (vectors) {
         if (n % 2) std::fill(kt + n * D, kt + (n + 1) * D, 0.0f);
-        for (int c = 0; c < kMQ; c += 4 * kWidth) {
+        for (int c = 0; c < Q; c += 4 * kWidth) {
           for (int t = 0; t < n; t += 2) scores_pair(kt, qt, D, t, c, st);
         }
       }
@@ -225,7 +229,7 @@ void attend_chunk_as(const KvLayout& kv, const float* query, int64_t query_strid
           }
         }
       }
-      online_softmax(st, t0, t1, first_pos, G, M, D, top, sum, o);
+      online_softmax(st, t0, t1, first_pos, G, M, D, top, sum, o, Q);
       // o[i] += sum over t of st[t, i] * v_t
 #if defined(AGENTD_OPS_AVX512) || defined(AGENTD_OPS_AVX2)
       if (vectors) {
@@ -354,6 +358,7 @@ void attend_chunk_bf16_as(const KvLayout& kv, const float* query, int64_t query_
   const SlotRows<kT> slot_row{kv, table};
   const int end = first_pos + num_rows;
   const __m512 zero = _mm512_setzero_ps();
+  const int Q = std::min(kMQ, (M + 63) / 64 * 64);  // the queries scored: M rounded up to 64
   for (int t0 = 0; t0 < end; t0 += kTK) {
     const int t1 = std::min(end, t0 + kTK), n = t1 - t0, nu = (n + 1) / 2;
     for (int j = 0; j < num_kh; ++j) {  // the heads of a slot are one row of the pool
@@ -393,14 +398,16 @@ void attend_chunk_bf16_as(const KvLayout& kv, const float* query, int64_t query_
             }
           }
         }
-        if (step == 4) {
-          scores_bf16<4>(kp + t * P, qp, P, st + t * kMQ);
-        } else {
-          scores_bf16<2>(kp + t * P, qp, P, st + t * kMQ);
+        for (int c = 0; c < Q; c += 64) {  // 64 queries (4 vectors) at a time
+          if (step == 4) {
+            scores_bf16<4>(kp + t * P, qp + c, P, st + t * kMQ + c);
+          } else {
+            scores_bf16<2>(kp + t * P, qp + c, P, st + t * kMQ + c);
+          }
         }
         t += step;
       }
-      online_softmax<true>(st, t0, t1, first_pos, G, M, D, top, sum, o);
+      online_softmax<true>(st, t0, t1, first_pos, G, M, D, top, sum, o, Q);
       for (int u = 0; u < nu; ++u) {  // value and weight pairs (t, t + 1); past the tile: 0
         const bool pair = 2 * u + 1 < n;
         const char* v0 = slot_row(t0 + 2 * u, 1) + head;
@@ -410,7 +417,7 @@ void attend_chunk_bf16_as(const KvLayout& kv, const float* query, int64_t query_
                                                          pair ? widen_vec<kT>(v1, d) : zero));
         }
         const float* w0 = st + 2 * u * kMQ;
-        for (int i = 0; i < kMQ; i += 16) {
+        for (int i = 0; i < Q; i += 16) {
           _mm512_storeu_si512(pp + u * kMQ + i,
                               bf16_pairs(_mm512_loadu_ps(w0 + i),
                                          pair ? _mm512_loadu_ps(w0 + kMQ + i) : zero));

@@ -98,8 +98,8 @@ def cpu_prefill(query: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch
     path where the queries are not fp32.
 
     1.7B's shape (32 heads of 64), a float16 pool, 2 Zen 5 cores, one layer: 300 rows behind
-    16,384 cached tokens 98 ms with bf16 products (fp32 ones, ``AGENTD_PREFILL_BF16=0``: 196
-    ms) against torch's 451 ms; 512 rows from nothing 4.8 ms against 15.9 ms; one row behind
+    16,384 cached tokens 72 ms with bf16 products (fp32 ones, ``AGENTD_PREFILL_BF16=0``: 162
+    ms) against torch's 408 ms; 512 rows from nothing 2.2 ms against 13.3 ms; one row behind
     16k, 7.6 ms as a decode row against 30 ms here (the tiles' 64 query lanes mostly empty)."""
     if query.dtype != torch.float32:
         return torch_prefill_attention(query, kv_cache, block_tables, query_start_loc,

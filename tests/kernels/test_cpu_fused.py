@@ -160,8 +160,8 @@ def test_the_cpu_backend_prefills_short_chunks_as_decode_rows(kv_dtype, rows, ca
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_prefill_attention_matches_the_reference_and_reads_no_unused_slot(
         kv_dtype, num_heads, num_kv_heads, head_dim, block_size, isa, generator):
-    """ops_prefill.h: chunks of 1 to 150 rows behind 0 to ~300 cached tokens (tiles of 64
-    slots and of 64 query lanes cut anywhere), several in one call; the pool's slots past each
+    """ops_prefill.h: chunks of 1 to 150 rows behind 0 to ~300 cached tokens (tiles of 128
+    slots and of 128 query lanes cut anywhere), several in one call; the pool's slots past each
     context hold NaN, so a slot read that should not be shows."""
     from agentd.kernels.prefill_attention import reference_prefill_attention
 
@@ -185,24 +185,34 @@ def test_prefill_attention_matches_the_reference_and_reads_no_unused_slot(
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"),
+                         [(8, 2, 64), (4, 4, 64), (8, 1, 128)])
 def test_prefill_attention_in_bfloat16_products_stays_near_the_fp32_reference(
-        kv_dtype, generator):
+        kv_dtype, num_heads, num_kv_heads, head_dim, generator):
     """``bf16=True`` (vdpbf16ps, where the CPU has AVX512-BF16): queries, keys, weights and
     values rounded to bfloat16, sums in fp32; the outputs' error stays that of the rounding
-    (bfloat16 keeps 8 bits: ~0.4% of a value)."""
+    (bfloat16 keeps 8 bits: ~0.4% of a value). Tasks of 128 query vectors and of fewer (a
+    chunk's last rows), tiles of 128 slots cut anywhere; the pool's slots past each context
+    hold NaN, so a slot read that should not be shows."""
     from agentd.kernels import cpu
     from agentd.kernels.prefill_attention import reference_prefill_attention
 
     if cpu.active_isa() != "avx512_vnni" or not cpu._native().module.has_bf16_attention():
         pytest.skip("this CPU has no AVX512-BF16: prefill attention's products stay fp32")
-    block_size, num_heads, num_kv_heads, head_dim = 16, 8, 2, 64
+    block_size = 16
     rows, cached = [200, 9, 70], [1000, 0, 33]
     tables, starts, lens = _chunks_behind_prefixes(generator, rows, cached, block_size, 256)
     kv_cache = torch.randn(256, 2, block_size, num_kv_heads, head_dim, generator=generator)
     pool = kv_cache.to(kv_dtype)
+    poisoned = torch.full_like(pool, float("nan"))
+    for table, length in zip(tables.tolist(), lens.tolist(), strict=True):
+        for slot in range(length):
+            block, offset = table[slot // block_size], slot % block_size
+            poisoned[block, :, offset] = pool[block, :, offset]
     query = torch.randn(sum(rows), num_heads, head_dim, generator=generator)
     expected = reference_prefill_attention(query, pool.float(), tables, starts, lens, 0.125)
-    actual = fused.prefill_attention(query, pool, tables, starts, lens, 0.125, bf16=True)
+    actual = fused.prefill_attention(query, poisoned, tables, starts, lens, 0.125, bf16=True)
+    assert not actual.isnan().any(), "a NaN (unused) slot of the pool was read"
     error = (actual - expected).abs()
     assert error.max() < 0.02 and error.mean() < 2e-3, (error.max(), error.mean())
     exact = fused.prefill_attention(query, pool, tables, starts, lens, 0.125, bf16=False)

@@ -132,15 +132,11 @@ inline void online_softmax(float* st, int t0, int t1, int first_pos, int G, int 
     int i = 0;
 #if defined(AGENTD_OPS_AVX512) || defined(AGENTD_OPS_AVX2)
     for (; i + kWidth <= Q; i += kWidth) {
-      Vec p;
+      const Vec x = vsub(vload(s + i), vload(tile_top + i));
 #if defined(AGENTD_PREFILL_BF16)
-      if constexpr (kBf16Weights) {
-        p = vexp_bf16(vsub(vload(s + i), vload(tile_top + i)));
-      } else {
-        p = vexp(vsub(vload(s + i), vload(tile_top + i)));
-      }
+      const Vec p = kBf16Weights ? vexp_bf16(x) : vexp(x);
 #else
-      p = vexp(vsub(vload(s + i), vload(tile_top + i)));
+      const Vec p = vexp(x);
 #endif
       vstore(s + i, p);
       vstore(tile_sum + i, vadd(vload(tile_sum + i), p));

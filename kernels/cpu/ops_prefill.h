@@ -272,8 +272,9 @@ inline __m512 dot_pairs(__m512 acc, __m512i a, __m512i b) {
   return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh>(a), reinterpret_cast<__m512bh>(b));
 }
 
-// st[t, 0..kMQ) for the S slots of key pairs kp [S, P]: each key pair broadcast against the
-// queries' pairs qp [P, kMQ], S * 4 accumulators (dot_pairs' latency hidden behind that many).
+// Scores of 64 queries (4 vectors) for S slots: st[s, 0..64) for the slots' key pairs kp
+// [S, P], each pair broadcast against the queries' pairs qp [P, kMQ] from qp's first column;
+// S * 4 accumulators (dot_pairs' latency hidden behind that many).
 template <int S>
 inline void scores_bf16(const uint32_t* kp, const uint32_t* qp, int P, float* st) {
   __m512 acc[S][4];

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "ops_grouped.h"
 #include "ops_vec.h"
 
 namespace agentd_cpu {
@@ -61,10 +62,11 @@ inline float dot1_kv(const float* q, const void* k, int D) {
   return dot_kv<kT>(q, k, D);
 }
 
-// out[i] = q[i] . k[i] for i < 4 (k[i]: D pool elements).
-template <KvDtype kT>
-inline void dot4_kv(const float* const* q, const void* const* k, int D, float* out) {
 #if defined(AGENTD_OPS_AVX512) || defined(AGENTD_OPS_AVX2)
+// q[i] . k[i] for i < 4 (k[i]: D pool elements) as the lanes of one vector; D % kWidth == 0
+// (every q8_0 D is).
+template <KvDtype kT>
+inline __m128 dot4_vec(const float* const* q, const void* const* k, int D) {
   if constexpr (kT == kKvQ8) {
     Vec a[4] = {vzero(), vzero(), vzero(), vzero()};
     for (int d = 0; d < D; d += kQ8Group) {
@@ -73,22 +75,42 @@ inline void dot4_kv(const float* const* q, const void* const* k, int D, float* o
         a[j] = vfma(vset1(q8_scale(b)), dot_q8_block(q[j] + d, b + 2, vzero()), a[j]);
       }
     }
-    _mm_storeu_ps(out, reduce4(a[0], a[1], a[2], a[3]));
-    return;
+    return reduce4(a[0], a[1], a[2], a[3]);
   }
-  if (D % kWidth == 0) {
-    Vec a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
-    for (int d = 0; d < D; d += kWidth) {
-      a0 = vfma(vload(q[0] + d), widen_vec<kT>(k[0], d), a0);
-      a1 = vfma(vload(q[1] + d), widen_vec<kT>(k[1], d), a1);
-      a2 = vfma(vload(q[2] + d), widen_vec<kT>(k[2], d), a2);
-      a3 = vfma(vload(q[3] + d), widen_vec<kT>(k[3], d), a3);
-    }
-    _mm_storeu_ps(out, reduce4(a0, a1, a2, a3));
+  Vec a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
+  for (int d = 0; d < D; d += kWidth) {
+    a0 = vfma(vload(q[0] + d), widen_vec<kT>(k[0], d), a0);
+    a1 = vfma(vload(q[1] + d), widen_vec<kT>(k[1], d), a1);
+    a2 = vfma(vload(q[2] + d), widen_vec<kT>(k[2], d), a2);
+    a3 = vfma(vload(q[3] + d), widen_vec<kT>(k[3], d), a3);
+  }
+  return reduce4(a0, a1, a2, a3);
+}
+#endif
+
+// out[i] = q[i] . k[i] for i < 4 (k[i]: D pool elements).
+template <KvDtype kT>
+inline void dot4_kv(const float* const* q, const void* const* k, int D, float* out) {
+#if defined(AGENTD_OPS_AVX512) || defined(AGENTD_OPS_AVX2)
+  if (kT == kKvQ8 || D % kWidth == 0) {
+    _mm_storeu_ps(out, dot4_vec<kT>(q, k, D));
     return;
   }
 #endif
   for (int i = 0; i < 4; ++i) out[i] = dot_kv<kT>(q[i], k[i], D);
+}
+
+// dot4_kv into floats `stride` apart: dst[i * stride] = q[i] . k[i].
+template <KvDtype kT>
+inline void dot4_kv_to(const float* const* q, const void* const* k, int D, float* dst,
+                       int64_t stride) {
+#if defined(AGENTD_OPS_AVX512) || defined(AGENTD_OPS_AVX2)
+  if (kT == kKvQ8 || D % kWidth == 0) {
+    store_lanes(dot4_vec<kT>(q, k, D), dst, stride, 4);
+    return;
+  }
+#endif
+  for (int i = 0; i < 4; ++i) dst[i * stride] = dot_kv<kT>(q[i], k[i], D);
 }
 
 // y += a * v (n pool elements).
@@ -111,88 +133,6 @@ inline void axpy_kv(float* y, float a, const void* v, int n) {
 #endif
   for (; i < n; ++i) y[i] += a * widen1<kT>(v, i);
 }
-
-#if defined(AGENTD_OPS_AVX512) || defined(AGENTD_OPS_AVX2)
-// dot4_kv for N <= 4 queries that read one key (query heads sharing a KV head): the key widened
-// once for them. Each query's sum takes the same operations in the same order as dot4_kv's.
-template <KvDtype kT, int N>
-inline void dotn_shared_kv(const float* const* q, const void* k, int D, float* out) {
-  Vec a[4] = {vzero(), vzero(), vzero(), vzero()};
-  if constexpr (kT == kKvQ8) {
-    constexpr int kVecs = kQ8Group / kWidth;
-    for (int d = 0; d < D; d += kQ8Group) {
-      const uint8_t* b = q8_block(k, d);
-      const Vec scale = vset1(q8_scale(b));
-      Vec w[kVecs];
-      for (int c = 0; c < kVecs; ++c) w[c] = widen_i8(b + 2 + c * kWidth);
-      for (int j = 0; j < N; ++j) {
-        Vec t = vzero();
-        for (int c = 0; c < kVecs; ++c) t = vfma(vload(q[j] + d + c * kWidth), w[c], t);
-        a[j] = vfma(scale, t, a[j]);
-      }
-    }
-  } else {
-    for (int d = 0; d < D; d += kWidth) {
-      const Vec w = widen_vec<kT>(k, d);
-      for (int j = 0; j < N; ++j) a[j] = vfma(vload(q[j] + d), w, a[j]);
-    }
-  }
-  float four[4];
-  _mm_storeu_ps(four, reduce4(a[0], a[1], a[2], a[3]));
-  for (int j = 0; j < N; ++j) out[j] = four[j];
-}
-
-// axpy_kv for N <= 4 queries that read one value row: y[j] += a[j] * v, v widened once; each
-// y[j] takes axpy_kv's operations in its order.
-template <KvDtype kT, int N>
-inline void axpyn_shared_kv(float* const* y, const float* a, const void* v, int D) {
-  if constexpr (kT == kKvQ8) {
-    constexpr int kVecs = kQ8Group / kWidth;
-    for (int i = 0; i < D; i += kQ8Group) {
-      const uint8_t* b = q8_block(v, i);
-      const float scale = q8_scale(b);
-      Vec w[kVecs];
-      for (int c = 0; c < kVecs; ++c) w[c] = widen_i8(b + 2 + c * kWidth);
-      for (int j = 0; j < N; ++j) {
-        const Vec wj = vset1(a[j] * scale);
-        for (int c = 0; c < kVecs; ++c) {
-          float* yc = y[j] + i + c * kWidth;
-          vstore(yc, vfma(wj, w[c], vload(yc)));
-        }
-      }
-    }
-  } else {
-    Vec va[N];
-    for (int j = 0; j < N; ++j) va[j] = vset1(a[j]);
-    for (int i = 0; i < D; i += kWidth) {
-      const Vec w = widen_vec<kT>(v, i);
-      for (int j = 0; j < N; ++j) vstore(y[j] + i, vfma(va[j], w, vload(y[j] + i)));
-    }
-  }
-}
-
-// The query heads [i0, i0 + n) of one KV head (n <= 4): their scores against key k, or their
-// sums plus weights times value v.
-template <KvDtype kT>
-inline void dot_shared(const float* const* q, int n, const void* k, int D, float* out) {
-  switch (n) {
-    case 4: dotn_shared_kv<kT, 4>(q, k, D, out); break;
-    case 3: dotn_shared_kv<kT, 3>(q, k, D, out); break;
-    case 2: dotn_shared_kv<kT, 2>(q, k, D, out); break;
-    default: dotn_shared_kv<kT, 1>(q, k, D, out);
-  }
-}
-
-template <KvDtype kT>
-inline void axpy_shared(float* const* y, const float* a, int n, const void* v, int D) {
-  switch (n) {
-    case 4: axpyn_shared_kv<kT, 4>(y, a, v, D); break;
-    case 3: axpyn_shared_kv<kT, 3>(y, a, v, D); break;
-    case 2: axpyn_shared_kv<kT, 2>(y, a, v, D); break;
-    default: axpyn_shared_kv<kT, 1>(y, a, v, D);
-  }
-}
-#endif
 
 inline float dot(const float* a, const float* b, int n) { return dot_kv<kKvF32>(a, b, n); }
 
@@ -319,16 +259,17 @@ void attend_span_as(const KvLayout& kv, const DecodeBatch& batch, const int32_t*
     prefetch(pos + kAhead, 0);
     const char* k = slot_row(pos, 0);
 #if defined(AGENTD_OPS_AVX512) || defined(AGENTD_OPS_AVX2)
-    if (shared) {
-      for (int i0 = 0; i0 < Q; i0 += G) {  // the G query heads of one KV head of one row
+    if (shared) {  // the query heads of one KV head (two KV heads at a time where G is 4)
+      float* out = scores + pos - p0;
+      int i0 = 0;
+      for (; G == 4 && i0 + 8 <= Q; i0 += 8) {
+        const void* ks[2] = {k + head_of[i0], k + head_of[i0 + 4]};
+        dotn_shared_kv<kT, 4, 2>(q + i0 * D, ks, D, out + i0 * ns, ns);
+      }
+      for (; i0 < Q; i0 += G) {
         const char* kh = k + head_of[i0];
         for (int g = 0; g < G; g += 4) {
-          const int m = std::min(4, G - g);
-          const float* qs[4];
-          float out[4];
-          for (int j = 0; j < m; ++j) qs[j] = q + (i0 + g + j) * D;
-          dot_shared<kT>(qs, m, kh, D, out);
-          for (int j = 0; j < m; ++j) scores[(i0 + g + j) * ns + pos - p0] = out[j];
+          dot_shared<kT>(q + (i0 + g) * D, std::min(4, G - g), kh, D, out + (i0 + g) * ns, ns);
         }
       }
       continue;
@@ -342,9 +283,7 @@ void attend_span_as(const KvLayout& kv, const DecodeBatch& batch, const int32_t*
         qs[j] = q + (i0 + j) * D;
         ks[j] = k + head_of[i0 + j];
       }
-      float four[4];
-      dot4_kv<kT>(qs, ks, D, four);
-      for (int j = 0; j < 4; ++j) scores[(i0 + j) * ns + pos - p0] = four[j];
+      dot4_kv_to<kT>(qs, ks, D, scores + i0 * ns + pos - p0, ns);
     }
     for (; i0 < Q; ++i0) {
       scores[i0 * ns + pos - p0] =
@@ -352,6 +291,14 @@ void attend_span_as(const KvLayout& kv, const DecodeBatch& batch, const int32_t*
     }
   }
   span_probabilities(scores, Q, n, ns, D, partial);
+#if defined(AGENTD_OPS_AVX512) || defined(AGENTD_OPS_AVX2)
+  if (shared && D % (kWidth == 16 ? 64 : 16) == 0) {
+    values_grouped<kT>([&](int pos) { return slot_row(pos, 1); },
+                        kv.token_stride * SlotRows<kT>::kElem, kv.block_size, row_bytes, p0, p1,
+                       G, Q, D, scores, ns, head_of.data(), partial);
+    return;
+  }
+#endif
   for (int pos = p0; pos < p1; ++pos) {
     prefetch(pos + kAhead, 1);
     const char* v = slot_row(pos, 1);

@@ -14,7 +14,8 @@ POOL_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 @pytest.mark.parametrize("kv_dtype", POOL_DTYPES)
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim",
-                         [(4, 4, 64), (8, 2, 128), (6, 1, 80), (6, 3, 96), (4, 4, 96)])
+                         [(4, 4, 64), (8, 2, 128), (6, 1, 80), (6, 3, 96), (4, 4, 96),
+                          (8, 1, 64), (10, 2, 64), (12, 2, 64), (6, 2, 64)])  # G = 8, 5, 6, 3
 @pytest.mark.parametrize("block_size", [16, 32])
 def test_decode_attention_matches_the_reference_and_reads_no_unused_slot(
         kv_dtype, num_heads, num_kv_heads, head_dim, block_size, isa, paged_kv, generator):

@@ -83,7 +83,8 @@ def test_rope_write_kv_writes_the_references_q8_0_bytes(interleaved, isa, genera
 
 
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"),
-                         [(4, 4, 64), (8, 2, 128), (6, 1, 96), (4, 4, 96)])  # 96: chunk + tail
+                         [(4, 4, 64), (8, 2, 128), (6, 1, 96), (4, 4, 96),  # 96: chunk + tail
+                          (8, 1, 64), (10, 2, 64), (12, 2, 64), (6, 2, 64)])  # G = 8, 5, 6, 3
 @pytest.mark.parametrize("rows_share", [False, True])
 def test_decode_over_a_q8_pool_is_fp32_attention_over_the_dequantized_kv(
         num_heads, num_kv_heads, head_dim, rows_share, isa, generator) -> None:

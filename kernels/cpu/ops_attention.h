@@ -262,7 +262,7 @@ void attend_span_as(const KvLayout& kv, const DecodeBatch& batch, const int32_t*
     if (shared) {  // the query heads of one KV head (two KV heads at a time where G is 4)
       float* out = scores + pos - p0;
       int i0 = 0;
-      for (; G == 4 && i0 + 8 <= Q; i0 += 8) {
+      for (; G == 4 && kWidth == 16 && i0 + 8 <= Q; i0 += 8) {
         const void* ks[2] = {k + head_of[i0], k + head_of[i0 + 4]};
         dotn_shared_kv<kT, 4, 2>(q + i0 * D, ks, D, out + i0 * ns, ns);
       }
@@ -292,7 +292,7 @@ void attend_span_as(const KvLayout& kv, const DecodeBatch& batch, const int32_t*
   }
   span_probabilities(scores, Q, n, ns, D, partial);
 #if defined(AGENTD_OPS_AVX512) || defined(AGENTD_OPS_AVX2)
-  if (shared && D % (kWidth == 16 ? 64 : 16) == 0) {
+  if (shared && kWidth == 16 && D % 64 == 0) {  // AVX-512 (AVX2: f16 ~10% slower that way)
     values_grouped<kT>([&](int pos) { return slot_row(pos, 1); },
                         kv.token_stride * SlotRows<kT>::kElem, kv.block_size, row_bytes, p0, p1,
                        G, Q, D, scores, ns, head_of.data(), partial);

@@ -5,7 +5,8 @@
 // Zen 5 thread, the 8B's shape (32 query heads on 8 KV heads of 128) over 1,024 cached slots:
 // 0.26 -> 0.16 ms a layer (f16 and q8_0 alike); at 16k tokens on 2 threads, pools past the
 // caches: q8_0 2.9 -> 2.4 ms a layer, f16 ~3.2 either way (its reads, not its arithmetic, set
-// it); the runner's 8B step at 16k with q8_0 KV 188-193 -> 167-169 ms.
+// it); the runner's 8B step at 16k with q8_0 KV 188-193 -> 167-169 ms. Both run on AVX-512
+// only (attend_span_as checks kWidth); AVX2 keeps one KV head a slot and axpy_shared.
 //
 // Invariant: internal linkage only (an anonymous namespace); vector ISAs only (the scalar build
 // takes every query head on its own); fp32 products and sums, as the ungrouped path's.
@@ -117,8 +118,9 @@ inline void axpy_shared(float* const* y, const float* a, int n, const void* v, i
 // (axpy_shared) every output vector was loaded and stored back every slot: 32 stores a KV head
 // and slot at head dim 128. values(pos) is slot pos's value row (all KV heads); the slots of
 // one block lie `stride` bytes apart; query i's weights are scores[i * ns + pos - p0], its sums
-// partial[i * (D + 2) + 2 ..]. D is a multiple of kChunk * kWidth.
-constexpr int kChunk = kWidth == 16 ? 4 : 2;  // 16 accumulators: half of AVX-512's registers
+// partial[i * (D + 2) + 2 ..]. D is a multiple of kChunk * kWidth. Run on AVX-512 only: with
+// AVX2's 16 registers the 8B's f16 pass ran ~10% slower this way than slot by slot.
+constexpr int kChunk = 4;  // 16 accumulators: half of AVX-512's registers
 
 template <KvDtype kT, int N>
 inline void values_run(const char* v, int64_t stride, int n, int D, const float* w, int64_t ns,

@@ -147,7 +147,10 @@ def run_workloads(cluster: Cluster, burst: bool = False) -> dict[str, Any]:
     the rest one at a time. SMG sends a request that matches no replica's prefixes to the one
     with the fewest requests in flight, the first listed on a tie: agents arriving one by one
     onto idle replicas may all land on one, and so may requests routed in the same instant
-    (a burst sent at once through a barrier did, once in 14 runs)."""
+    (a burst sent at once through a barrier did, once in 14 runs). Each first turn generates
+    960 tokens, so it is still in flight 0.3 s later on any CPU: 160 tokens, the tiny model's
+    ~0.2-0.4 s on 2 Zen 5 cores under CI's two workers, ended first in 2 of 3 clean-clone runs
+    and the next agent went to the same (idle, first-listed) replica."""
     client = cluster.client()
     report: dict[str, Any] = {}
     loaded = {name: workload(name) for name in WORKLOADS}
@@ -156,7 +159,7 @@ def run_workloads(cluster: Cluster, burst: bool = False) -> dict[str, Any]:
         def first_turn(index: int, name: str) -> None:
             system, turns = loaded[name]
             time.sleep(0.3 * index)  # each one routed while the earlier ones generate
-            first[name] = ask(client, system, turns[0], 160, name, ignore_eos=True)
+            first[name] = ask(client, system, turns[0], 960, name, ignore_eos=True)
 
         threads = [threading.Thread(target=first_turn, args=(i, name))
                    for i, name in enumerate(WORKLOADS)]
